@@ -1,0 +1,171 @@
+"""The training job spec: what to train and how to stay elastic.
+
+Used by `elasticyolo train` (single process), `elasticyolo submit` (stored in etcd) and by
+workers. Option names follow Ultralytics where they exist (lr0, lrf, nbs, close_mosaic, ...).
+No torch here: the CLI and the agent validate specs too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from elasticyolo.errors import UserError
+
+# Ultralytics augmentation / loss-gain keys passed through to `get_cfg` unchanged.
+ULTRALYTICS_PASSTHROUGH = (
+    "hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective",
+    "flipud", "fliplr", "mosaic", "mixup", "copy_paste", "box", "cls", "dfl",
+)
+
+
+class TrainSpec(BaseModel):
+    """One training job. Every field can be given as `key=value` on the command line."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # What to train (Ultralytics meanings).
+    model: str = "yolov8n.yaml"
+    data: str
+    epochs: int = Field(10, ge=1)
+    imgsz: int = Field(640, ge=32)
+    batch: int = Field(16, ge=1, description="images per worker per step")
+    optimizer: Literal["auto", "SGD", "Adam", "AdamW", "NAdam", "RAdam", "RMSProp"] = "auto"
+    lr0: float = Field(0.01, gt=0)
+    lrf: float = Field(0.01, gt=0)
+    momentum: float = Field(0.937, ge=0, lt=1)
+    weight_decay: float = Field(0.0005, ge=0)
+    warmup_epochs: float = Field(3.0, ge=0)
+    warmup_momentum: float = Field(0.8, ge=0, lt=1)
+    warmup_bias_lr: float = Field(0.1, ge=0)
+    nbs: int = Field(64, ge=1, description="nominal batch size")
+    cos_lr: bool = False
+    close_mosaic: int = Field(10, ge=0)
+    seed: int = 0
+    workers: int = Field(0, ge=0, description="dataloader processes per worker")
+    amp: bool = True
+    device: str = ""
+    val: bool = True
+    hyp: dict[str, float] = Field(default_factory=dict, description="Ultralytics augmentation/loss keys")
+
+    # Elasticity.
+    engine: Literal["horovod", "torch"] = "horovod"
+    policy: Literal["linear", "constant_global_batch"] = "linear"
+    ref_world: int = Field(1, ge=1, description="world size lr0 (and the global batch) is tuned for")
+    resize_warmup_steps: int = Field(20, ge=0, description="LR ramp after a resize (linear policy)")
+    commit_every: int = Field(0, ge=0, description="steps between Horovod commits; 0 = about 1 s of work")
+    min_nodes: int = Field(1, ge=1)
+    max_nodes: int | None = Field(None, ge=1)
+    slots: int = Field(1, ge=1, description="workers per node")
+    fp16_allreduce: bool = False
+    reset_limit: int | None = Field(None, ge=1)
+    cooldown_s: tuple[int, int] = (5, 30)
+    gloo_timeout_s: int = Field(30, ge=1)
+    elastic_timeout_s: int = Field(600, ge=1)
+
+    # Checkpoints.
+    checkpoint: str | None = Field(None, description="store URI: s3://bucket/prefix or file:///path")
+    save_period_steps: int = Field(200, ge=0)
+    save_period_s: float = Field(300.0, ge=0)
+    keep_last: int = Field(3, ge=1)
+    keep_epochs: bool = False
+
+    @field_validator("model")
+    @classmethod
+    def _model_known(cls, v: str) -> str:
+        from elasticyolo.models import check_model_name
+
+        return check_model_name(v)
+
+    @field_validator("hyp")
+    @classmethod
+    def _hyp_keys(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(v) - set(ULTRALYTICS_PASSTHROUGH))
+        if unknown:
+            raise ValueError(f"unknown Ultralytics keys {unknown}")
+        return v
+
+    @field_validator("cooldown_s", mode="before")
+    @classmethod
+    def _cooldown(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            parts = v.replace(":", ",").split(",")
+            if len(parts) != 2:
+                raise ValueError("expected MIN,MAX seconds")
+            return tuple(int(p) for p in parts)
+        return v
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "TrainSpec":
+        if self.max_nodes is not None and self.max_nodes < self.min_nodes:
+            raise ValueError(f"max_nodes={self.max_nodes} is below min_nodes={self.min_nodes}")
+        if self.cooldown_s[0] > self.cooldown_s[1]:
+            raise ValueError("cooldown_s: MIN is above MAX")
+        return self
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[str], where: str = "command line", **defaults: Any) -> "TrainSpec":
+        """Parse `key=value` words (Ultralytics style). Unknown keys and bad values raise
+        UserError naming the key."""
+        values: dict[str, Any] = dict(defaults)
+        hyp: dict[str, float] = dict(values.pop("hyp", {}) or {})
+        for word in pairs:
+            if "=" not in word:
+                raise UserError(f"{where}: expected key=value, got {word!r}")
+            key, _, raw = word.partition("=")
+            key = key.strip()
+            if key in ULTRALYTICS_PASSTHROUGH:
+                try:
+                    hyp[key] = float(raw)
+                except ValueError:
+                    raise UserError(f"{where}: {key}={raw!r} is not a number") from None
+                continue
+            if key not in cls.model_fields:
+                raise UserError(f"{where}: unknown option {key!r} (see `elasticyolo train --help`)")
+            values[key] = None if raw.lower() in ("none", "null") else raw
+        if hyp:
+            values["hyp"] = hyp
+        return cls.validated(values, where)
+
+    @classmethod
+    def validated(cls, values: dict[str, Any], where: str) -> "TrainSpec":
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise UserError(f"{where}: {_one_line(exc)}") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> "TrainSpec":
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise UserError(f"{where}: job spec is not JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{where}: job spec must be a JSON object")
+        return cls.validated(raw, where)
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    def ultralytics_overrides(self) -> dict[str, Any]:
+        """The keys Ultralytics' `get_cfg` understands, for the loss gains and augmentation."""
+        keys = ("imgsz", "batch", "lr0", "lrf", "momentum", "weight_decay", "warmup_epochs",
+                "warmup_momentum", "warmup_bias_lr", "nbs", "cos_lr", "close_mosaic", "epochs",
+                "seed", "workers", "optimizer", "amp")
+        out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        out.update(self.hyp)
+        out["model"] = self.model
+        out["data"] = self.data
+        return out
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "spec"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)

@@ -1,0 +1,1 @@
+"""Real local servers for tests, benchmarks and the demo (etcd, S3 API via moto). Loopback only."""

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Build a Horovod 0.28.1 wheel (PyTorch + Gloo; NCCL on a GPU VM) against the torch in $PY's venv.
+# The PyPI sdist does not build against torch 2.14 as is (see README "Horovod build"): we patch
+# the C++ standard (top level 17 so gloo links, torch extension 20 for torch's headers) and, on a
+# CPU machine, force the "torch has CUDA" probe off.
+# Usage: build_horovod.sh PYTHON OUT_DIR
+set -euo pipefail
+PY=${1:?python}; OUT=${2:?out dir}
+HVD_VERSION=${HOROVOD_VERSION:-0.28.1}
+work=$(mktemp -d /tmp/elasticyolo-hvd-build.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$OUT"
+"$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HVD_VERSION" -d "$work"
+tar -xzf "$work"/horovod-"$HVD_VERSION".tar.gz -C "$work"
+src="$work/horovod-$HVD_VERSION"
+sed -i 's/^set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt"
+sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$src/horovod/torch/CMakeLists.txt"
+grep -q '^set(CMAKE_CXX_STANDARD 17)' "$src/CMakeLists.txt" || { echo "build_horovod: C++17 patch did not apply" >&2; exit 1; }
+grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt" || { echo "build_horovod: C++20 patch did not apply" >&2; exit 1; }
+
+export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
+export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=GLOO
+export MAKEFLAGS=-j$(nproc)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ -n "${CUDA_HOME:-}" ]; then
+  echo "build_horovod: GPU machine, building with NCCL" >&2
+  export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED
+else
+  unset HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_BROADCAST HOROVOD_GPU || true
+  # FindPytorch asks torch whether it was built with CUDA; a CUDA build of torch on a CPU box then
+  # makes CMake hunt for a CUDA toolkit. Make the probe answer False.
+  sed -i 's/print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)/print(False)/' "$src/cmake/Modules/FindPytorch.cmake"
+  grep -q 'CUDA_HOME; print(False)' "$src/cmake/Modules/FindPytorch.cmake" || { echo "build_horovod: CPU-only probe patch did not apply" >&2; exit 1; }
+fi
+(cd "$src" && "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$OUT" .)
+ls "$OUT"/horovod-*.whl

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Install everything elasticyolo needs on a fresh Debian machine. Idempotent: re-running only
+# does what is missing. Called by `make setup` (and by `make test`/`make demo` when stale).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.14.1
+TORCHVISION_VERSION=0.29.1
+HOROVOD_VERSION=0.28.1
+WHEEL_CACHE=${ELASTICYOLO_WHEEL_CACHE:-$HOME/.cache/elasticyolo/wheels}
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# 1. Debian packages: etcd (server + etcdctl). The package starts no service in a container;
+#    tests start their own server on 127.0.0.1.
+if ! command -v etcd >/dev/null 2>&1 || ! command -v etcdctl >/dev/null 2>&1; then
+  log "installing etcd-server etcd-client"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null
+fi
+
+# 2. The venv with torch first (Horovod's build needs it).
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! "$PY" -c "import torch, torchvision, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  log "installing torch $TORCH_VERSION torchvision $TORCHVISION_VERSION"
+  "$PY" -m pip install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+fi
+log "installing elasticyolo and its dependencies"
+"$PY" -m pip install -q -e ".[train,test]"
+
+# 3. Horovod: build once per (horovod, torch, cpu|gpu), cache the wheel, reuse it.
+flavor=cpu
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ -n "${CUDA_HOME:-}" ]; then flavor=nccl; fi
+key="horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$flavor"
+if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
+  if ! ls "$WHEEL_CACHE/$key"/horovod-*.whl >/dev/null 2>&1; then
+    log "building Horovod $HOROVOD_VERSION ($flavor) from the PyPI sdist; cached in $WHEEL_CACHE/$key (several minutes, once)"
+    "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging cmake
+    PATH="$VENV/bin:$PATH" bash scripts/build_horovod.sh "$PY" "$WHEEL_CACHE/$key.tmp"
+    rm -rf "$WHEEL_CACHE/$key"; mv "$WHEEL_CACHE/$key.tmp" "$WHEEL_CACHE/$key"
+  fi
+  log "installing Horovod from $WHEEL_CACHE/$key"
+  "$PY" -m pip install -q --no-deps "$WHEEL_CACHE/$key"/horovod-*.whl
+  "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging
+fi
+"$VENV/bin/horovodrun" --check-build | grep -q '\[X\] PyTorch' || { log "horovodrun --check-build lacks PyTorch"; exit 1; }
+"$VENV/bin/horovodrun" --check-build | grep -q '\[X\] Gloo' || { log "horovodrun --check-build lacks Gloo"; exit 1; }
+
+# 4. Stamp: Makefile compares it with the inputs of this script to decide staleness.
+cat pyproject.toml scripts/setup.sh scripts/build_horovod.sh | sha256sum | cut -d' ' -f1 > "$VENV/.elasticyolo-setup"
+log "done"

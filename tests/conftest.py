@@ -1,0 +1,46 @@
+"""Shared fixtures: real servers on 127.0.0.1, and the offline/loopback-only environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from elasticyolo.testing.servers import EtcdCluster, S3Server
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Keep every child process (torch, gloo, horovod) on loopback and offline.
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("HOROVOD_GLOO_IFACE", "lo")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("ELASTICYOLO_LOG_FORMAT", "json")
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdCluster]:
+    """One etcd member on loopback, shared by the session (tests use distinct job names)."""
+    with EtcdCluster(size=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def etcd_cluster3() -> Iterator[EtcdCluster]:
+    """A fresh 3-member etcd cluster on loopback (for member-failure tests)."""
+    with EtcdCluster(size=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def job_name(request: pytest.FixtureRequest) -> str:
+    """A job name unique to the test, so tests can share one etcd."""
+    return "t-" + request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40].lower()
