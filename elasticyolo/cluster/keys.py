@@ -1,0 +1,82 @@
+"""The etcd key layout of one job. Every key elasticyolo writes lives under `/elasticyolo/<job>/`.
+
+| key                               | writer            | lease      | value (JSON unless noted)            |
+|-----------------------------------|-------------------|------------|--------------------------------------|
+| `nodes/<node-id>`                 | that node's agent | node lease | NodeRecord (registry.py)             |
+| `leader`                          | elected agent     | node lease | LeaderRecord (election.py); its mod revision is the fencing token |
+| `spec`                            | `submit`, agent config | none  | TrainSpec JSON (elasticyolo.spec)   |
+| `state`                           | `submit`/`cancel`/leader | none | JobState: {"state", "at", "by", "reason"} |
+| `world`                           | leader (driver)   | none       | World: {"epoch","step","world_size","ranks":{node:[rank..]},"term","at"} |
+| `launch/<node-id>`                | leader            | leader's   | launch request: {"action": "start"/"stop", "env", "term", ...} |
+| `events/<ms>-<node-id>`           | any agent         | none       | {"at","node","kind","from","to","reason"} (leader trims old ones) |
+| `progress`                        | rank 0 worker     | none       | Progress: {"epoch","step","samples_s","world_size","loss","at"} |
+| `checkpoint/latest`               | checkpoint manager| none       | {"uri","epoch","step","at"}         |
+| `rdzv/...`                        | torch elastic backend | -      | torch rendezvous state (engines/torch) |
+
+Job names are DNS-label-like (`[a-z0-9][a-z0-9._-]*`, at most 63 chars) so a key never
+needs escaping; node ids may also use upper case.
+"""
+
+from __future__ import annotations
+
+import re
+
+from elasticyolo.errors import UserError
+
+ROOT = "/elasticyolo/"
+
+_JOB_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_job_name(job: str) -> str:
+    if not _JOB_RE.match(job or ""):
+        raise UserError(f"job name {job!r} is invalid: use 1-63 of a-z 0-9 . _ - (starting with a letter or digit)")
+    return job
+
+
+def check_node_id(node_id: str) -> str:
+    if not _NODE_RE.match(node_id or ""):
+        raise UserError(f"node id {node_id!r} is invalid: use 1-128 of A-Z a-z 0-9 . _ - (no slashes)")
+    return node_id
+
+
+class JobKeys:
+    """Key names for one job: `JobKeys("coco").node("gpu-1")` -> `/elasticyolo/coco/nodes/gpu-1`."""
+
+    def __init__(self, job: str) -> None:
+        self.job = check_job_name(job)
+        self.prefix = f"{ROOT}{job}/"
+        self.nodes = self.prefix + "nodes/"
+        self.leader = self.prefix + "leader"
+        self.spec = self.prefix + "spec"
+        self.state = self.prefix + "state"
+        self.world = self.prefix + "world"
+        self.launch_prefix = self.prefix + "launch/"
+        self.events = self.prefix + "events/"
+        self.progress = self.prefix + "progress"
+        self.checkpoint_latest = self.prefix + "checkpoint/latest"
+        self.rdzv = self.prefix + "rdzv/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    def launch(self, node_id: str) -> str:
+        return self.launch_prefix + node_id
+
+    def event(self, at_ms: int, node_id: str) -> str:
+        # Zero-padded milliseconds keep events in time order under a prefix range read.
+        return f"{self.events}{at_ms:015d}-{node_id}"
+
+    def node_id_of(self, key: str) -> str:
+        """`.../nodes/<id>` -> `<id>`."""
+        return key[len(self.nodes):]
+
+
+# Job states in `state`. A job is *active* (agents join its world) while submitted or running.
+JOB_SUBMITTED = "submitted"
+JOB_RUNNING = "running"
+JOB_CANCELLED = "cancelled"
+JOB_DONE = "done"
+JOB_FAILED = "failed"
+ACTIVE_JOB_STATES = (JOB_SUBMITTED, JOB_RUNNING)
