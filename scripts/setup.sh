@@ -42,7 +42,9 @@ key="horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$flavor"
 if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
   if ! ls "$WHEEL_CACHE/$key"/horovod-*.whl >/dev/null 2>&1; then
     log "building Horovod $HOROVOD_VERSION ($flavor) from the PyPI sdist; cached in $WHEEL_CACHE/$key (several minutes, once)"
-    "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging cmake
+    "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging
+    # Horovod's bundled gloo needs CMake < 4 (cmake_minimum_required 2.8); Debian 12 ships 3.25.
+    command -v cmake >/dev/null 2>&1 || "$PY" -m pip install -q 'cmake>=3.18,<4'
     PATH="$VENV/bin:$PATH" bash scripts/build_horovod.sh "$PY" "$WHEEL_CACHE/$key.tmp"
     rm -rf "$WHEEL_CACHE/$key"; mv "$WHEEL_CACHE/$key.tmp" "$WHEEL_CACHE/$key"
   fi
@@ -50,8 +52,9 @@ if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
   "$PY" -m pip install -q --no-deps "$WHEEL_CACHE/$key"/horovod-*.whl
   "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging
 fi
-"$VENV/bin/horovodrun" --check-build | grep -q '\[X\] PyTorch' || { log "horovodrun --check-build lacks PyTorch"; exit 1; }
-"$VENV/bin/horovodrun" --check-build | grep -q '\[X\] Gloo' || { log "horovodrun --check-build lacks Gloo"; exit 1; }
+build_info=$("$VENV/bin/horovodrun" --check-build)
+grep -q '\[X\] PyTorch' <<<"$build_info" || { log "horovodrun --check-build lacks PyTorch"; exit 1; }
+grep -q '\[X\] Gloo' <<<"$build_info" || { log "horovodrun --check-build lacks Gloo"; exit 1; }
 
 # 4. Stamp: Makefile compares it with the inputs of this script to decide staleness.
 cat pyproject.toml scripts/setup.sh scripts/build_horovod.sh | sha256sum | cut -d' ' -f1 > "$VENV/.elasticyolo-setup"

@@ -46,6 +46,15 @@ class _Transient(Exception):
 
 
 @dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int  # 0: none
+
+
+@dataclass(frozen=True)
 class WatchEvent:
     type: str  # "PUT" or "DELETE"
     key: str
@@ -249,6 +258,12 @@ class EtcdClient:
         rows = [(_unb64(kv["key"]).decode("utf-8"), _unb64(kv.get("value")), int(kv["mod_revision"]))
                 for kv in result.get("kvs") or []]
         return rows, int(result["header"]["revision"])
+
+    def get_prefix_kvs(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key under prefix with its metadata (lease, revisions), plus the read revision."""
+        result = self.call("/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix)),
+                                         "sort_order": "ASCEND", "sort_target": "KEY"})
+        return [_kv(kv) for kv in result.get("kvs") or []], int(result["header"]["revision"])
 
     def get_many(self, keys: Sequence[str]) -> dict[str, tuple[bytes, int] | None]:
         """Several keys in one round trip (a read-only txn: one consistent snapshot)."""
@@ -493,6 +508,17 @@ class _WatchStream:
             if self._cancelled.wait(backoff):
                 return
             backoff = min(backoff * 2, 1.0)
+
+
+def _kv(kv: dict[str, Any]) -> KeyValue:
+    return KeyValue(key=_unb64(kv["key"]).decode("utf-8"), value=_unb64(kv.get("value")),
+                    mod_revision=int(kv.get("mod_revision", 0)), create_revision=int(kv.get("create_revision", 0)),
+                    lease=int(kv.get("lease", 0) or 0))
+
+
+def b64(data: bytes | str) -> str:
+    """Base64 as the gateway wants it, for callers that build raw txn() requests."""
+    return _b64(data)
 
 
 def _log() -> Any:

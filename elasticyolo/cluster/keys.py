@@ -8,7 +8,7 @@
 | `state`                           | `submit`/`cancel`/leader | none | JobState: {"state", "at", "by", "reason"} |
 | `world`                           | leader (driver)   | none       | World: {"epoch","step","world_size","ranks":{node:[rank..]},"term","at"} |
 | `launch/<node-id>`                | leader            | leader's   | launch request: {"action": "start"/"stop", "env", "term", ...} |
-| `events/<ms>-<node-id>`           | any agent         | none       | {"at","node","kind","from","to","reason"} (leader trims old ones) |
+| `events/<ms>-<node-id>-<seq>`     | any agent         | none       | {"at","node","kind","from","to","reason"} (leader trims old ones) |
 | `progress`                        | rank 0 worker     | none       | Progress: {"epoch","step","samples_s","world_size","loss","at"} |
 | `checkpoint/latest`               | checkpoint manager| none       | {"uri","epoch","step","at"}         |
 | `rdzv/...`                        | torch elastic backend | -      | torch rendezvous state (engines/torch) |
@@ -64,9 +64,9 @@ class JobKeys:
     def launch(self, node_id: str) -> str:
         return self.launch_prefix + node_id
 
-    def event(self, at_ms: int, node_id: str) -> str:
+    def event(self, at_ms: int, node_id: str, seq: int = 0) -> str:
         # Zero-padded milliseconds keep events in time order under a prefix range read.
-        return f"{self.events}{at_ms:015d}-{node_id}"
+        return f"{self.events}{at_ms:015d}-{node_id}-{seq}"
 
     def node_id_of(self, key: str) -> str:
         """`.../nodes/<id>` -> `<id>`."""

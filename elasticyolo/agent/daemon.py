@@ -1,0 +1,395 @@
+"""The agent loop: observe etcd, let `state.decide` pick a transition, apply it, lead if elected.
+
+Level-triggered: each iteration re-reads what it needs, so a missed watch event or an etcd
+hiccup only delays a decision. A watch on the job prefix wakes the loop early; otherwise it
+ticks about four times per TTL. Transient etcd errors are logged and retried, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from elasticyolo import __version__
+from elasticyolo.agent.hooks import AgentHooks
+from elasticyolo.agent.metrics import AgentMetrics
+from elasticyolo.agent.sd_notify import SystemdNotifier
+from elasticyolo.agent.state import NodeState, Observation, Transition, decide
+from elasticyolo.cluster.election import LeaderElection
+from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
+from elasticyolo.cluster.keys import ACTIVE_JOB_STATES, JOB_SUBMITTED, JobKeys
+from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
+from elasticyolo.config import AgentConfig
+from elasticyolo.errors import UnavailableError, UserError
+from elasticyolo.log import get_logger
+from elasticyolo.spec import TrainSpec
+
+EVENTS_KEPT = 1000
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The job as the agent last read it."""
+
+    spec: TrainSpec | None
+    state: str | None  # submitted/running/cancelled/done/failed, None when never submitted
+    revision: tuple[int, int]  # (spec mod revision, state mod revision): changes on every edit
+    error: str | None = None  # why a stored spec was rejected
+
+    @property
+    def active(self) -> bool:
+        return self.spec is not None and (self.state in ACTIVE_JOB_STATES)
+
+
+def make_client(cfg: AgentConfig) -> EtcdClient:
+    return EtcdClient(cfg.etcd, ca_cert=cfg.etcd_ca, cert_cert=cfg.etcd_cert, cert_key=cfg.etcd_key,
+                      user=cfg.etcd_user, password=cfg.etcd_password, timeout=cfg.etcd_timeout,
+                      retry_window=max(cfg.etcd_timeout, cfg.ttl / 2))
+
+
+def submit_spec(client: EtcdClient, keys: JobKeys, spec: TrainSpec, by: str, replace: bool = False) -> bool:
+    """Store spec + state=submitted in one txn. Without `replace` only when no spec is stored.
+    Returns False when a spec was already there (and not replaced)."""
+    state = json.dumps({"state": JOB_SUBMITTED, "at": time.time(), "by": by})
+    puts = [{"request_put": {"key": b64(keys.spec), "value": b64(spec.to_json())}},
+            {"request_put": {"key": b64(keys.state), "value": b64(state)}}]
+    compare = [] if replace else [{"key": b64(keys.spec), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
+    return bool(client.txn(compare, puts, [])["succeeded"])
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, client: EtcdClient | None = None,
+                 hooks: Sequence[AgentHooks] = (), notifier: SystemdNotifier | None = None) -> None:
+        self.cfg = cfg
+        self.keys = JobKeys(cfg.job)
+        self.client = client or make_client(cfg)
+        self.log = get_logger("elasticyolo.agent", node=cfg.node_id, job=cfg.job)
+        self.hooks: list[AgentHooks] = list(hooks)
+        self.notifier = notifier or SystemdNotifier()
+        self.metrics = AgentMetrics(cfg.node_id, cfg.job)
+        self.state = NodeState.JOINING
+        self.job = JobView(None, None, (0, 0))
+        self.record = NodeRecord(
+            node_id=cfg.node_id, host=cfg.host, addr=cfg.addr, slots=cfg.slots, state=self.state.value,
+            preemptible=cfg.preemptible, instance_type=cfg.instance_type, zone=cfg.zone,
+            price_per_hour=cfg.price_per_hour, agent_version=__version__, started_at=time.time(),
+            pid=os.getpid(),
+        )
+        self.registration = NodeRegistration(self.client, self.keys, self.record, cfg.ttl,
+                                             on_lease_lost=self.wake, on_renew=self.metrics.observe_renew)
+        self.election = LeaderElection(self.client, self.keys, self.registration, handover=cfg.handover)
+        self.tick_s = min(1.0, max(0.1, cfg.ttl / 4))
+        if self.notifier.watchdog_s:
+            self.tick_s = min(self.tick_s, self.notifier.watchdog_s / 3)
+        self._wake = threading.Event()
+        self._drain_reason: str | None = None
+        self._drain_deadline = 0.0
+        self._conflict_since: float | None = None
+        self._fatal: str | None = None
+        self._event_seq = 0
+        self._record_dirty = False
+        self._last_trim = 0.0
+        self._watch_cancel: Callable[[], None] | None = None
+        self.metrics_port: int | None = None
+
+    # ---- API for extensions and signal handlers ------------------------------------------
+    def add_hooks(self, *hooks: AgentHooks) -> None:
+        self.hooks.extend(hooks)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def request_drain(self, reason: str, notice: dict[str, Any] | None = None) -> None:
+        """Leave the world cleanly (thread-safe; signal handlers and spot pollers call this)."""
+        if self._drain_reason is None:
+            self._drain_reason = reason
+        if notice is not None:
+            self.set_notice(notice)
+        self.wake()
+
+    def set_notice(self, notice: dict[str, Any]) -> None:
+        """Record an interruption notice in the node record (shown by `status`)."""
+        self.metrics.notices.inc()
+        self.record.notice = notice
+        self._record_dirty = True
+        self.wake()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election.is_leader
+
+    # ---- main loop ----------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until LEFT (0) or FAILED (1). Raises UnavailableError if etcd never answers at start."""
+        self._install_signal_handlers()
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
+            self.log.info("metrics listening", addr=self.cfg.metrics_addr, port=self.metrics_port)
+        self._wait_for_etcd()
+        self._call_hooks("on_start")
+        self._submit_config_spec()
+        self._start_watch()
+        self.log.info("agent started", state=self.state.value, ttl=self.cfg.ttl, etcd=",".join(self.cfg.etcd),
+                      version=__version__)
+        try:
+            while not self.state.terminal:
+                self._iterate()
+                if self.notifier.watchdog_s:
+                    self.notifier.watchdog()
+                if not self.state.terminal:
+                    self._wake.wait(self.tick_s)
+                    self._wake.clear()
+        finally:
+            self._shutdown()
+        return 0 if self.state is NodeState.LEFT else 1
+
+    def _iterate(self) -> None:
+        try:
+            obs = self._observe()
+            transition = decide(self.state, obs)
+            if transition is not None:
+                self._apply(transition)
+            if self.state in (NodeState.IDLE, NodeState.TRAINING):
+                self._lead()
+            if self._record_dirty and self.registration.lease_valid():
+                self._record_dirty = False
+                self._sync_record()
+            self._call_hooks("on_tick")
+        except UnavailableError as exc:
+            self.metrics.etcd_errors.inc()
+            self.log.warning("etcd unavailable; will retry", error=str(exc))
+        except EtcdError as exc:
+            self.metrics.etcd_errors.inc()
+            self.log.warning("etcd refused a request; will retry", error=str(exc))
+
+    def _observe(self) -> Observation:
+        if self.state is NodeState.JOINING and not self._drain_reason:
+            self._try_register()
+        if self.state is NodeState.DRAINING:
+            return Observation(registered=True, drain_complete=self._drain_step())
+        self._read_job()
+        return Observation(
+            registered=bool(self.registration.lease_id) and not self.registration.lease_lost(),
+            lease_lost=self.registration.lease_lost(),
+            job_active=self.job.active,
+            drain_requested=self._drain_reason is not None,
+            fatal=self._fatal,
+        )
+
+    def _try_register(self) -> None:
+        if self.registration.lease_id and not self.registration.lease_lost():
+            return
+        self.registration.stop_keepalive()
+        self.registration.lease_id = 0
+        self.record.state = NodeState.JOINING.value
+        self.record.leader = False
+        try:
+            self.registration.register()
+        except NodeIdTakenError as exc:
+            # A previous incarnation's lease may still be alive (crash + quick restart): wait it out.
+            now = time.monotonic()
+            self._conflict_since = self._conflict_since or now
+            if now - self._conflict_since > 2 * self.cfg.ttl + 1:
+                self._fatal = str(exc)
+            else:
+                self.log.info("node id still registered; waiting for the old lease to expire", error=str(exc))
+            return
+        self._conflict_since = None
+        self.registration.start_keepalive()
+        self.log.info("registered", lease=f"{self.registration.lease_id:x}", ttl=self.cfg.ttl)
+
+    def _read_job(self) -> None:
+        got = self.client.get_many([self.keys.spec, self.keys.state, self.keys.world])
+        spec_kv, state_kv, world_kv = got[self.keys.spec], got[self.keys.state], got[self.keys.world]
+        revision = (spec_kv[1] if spec_kv else 0, state_kv[1] if state_kv else 0)
+        if world_kv is not None:
+            try:
+                self.metrics.world_size.set(float(json.loads(world_kv[0]).get("world_size", 0)))
+            except (ValueError, TypeError, AttributeError):
+                pass
+        if revision == self.job.revision:
+            return
+        spec, error = None, None
+        if spec_kv is not None:
+            try:
+                spec = TrainSpec.from_json(spec_kv[0], where=f"stored spec {self.keys.spec}")
+            except UserError as exc:
+                error = str(exc)
+                self.log.error("stored job spec is invalid; ignoring it", error=error)
+        state = None
+        if state_kv is not None:
+            try:
+                state = str(json.loads(state_kv[0]).get("state"))
+            except (ValueError, TypeError, AttributeError):
+                state = None
+        elif spec is not None:
+            state = JOB_SUBMITTED  # a spec written without a state record counts as submitted
+        self.job = JobView(spec, state, revision, error)
+        self.log.info("job changed", job_state=state, has_spec=spec is not None, active=self.job.active)
+        self._call_hooks("on_job_change", self.job)
+
+    def _apply(self, t: Transition) -> None:
+        self.state = t.new
+        self.record.state = t.new.value
+        self.metrics.transition(t.old, t.new)
+        self.log.info("state transition", from_state=t.old.value, to_state=t.new.value, reason=t.reason)
+        if t.new is NodeState.DRAINING:
+            self._drain_deadline = time.monotonic() + self.cfg.drain_timeout_s
+            self.notifier.stopping(f"draining: {self._drain_reason}")
+            if self.election.is_leader:
+                self.election.resign(f"draining ({self._drain_reason})")
+                self._lost_leadership("draining")
+        if t.new is NodeState.JOINING and self.election.is_leader:
+            self.election.term = 0
+            self._lost_leadership("lease lost")
+        self._write_event(t)
+        if t.new is not NodeState.LEFT:
+            self._sync_record()
+        if t.new is NodeState.IDLE and t.old is NodeState.JOINING:
+            self.notifier.ready(f"{t.new.value}: node {self.cfg.node_id} in job {self.cfg.job}")
+        else:
+            self.notifier.status(f"{t.new.value}: {t.reason}")
+        self._call_hooks("on_state_change", t)
+
+    def _sync_record(self) -> None:
+        try:
+            self.registration.update()
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not write node record; will retry", error=str(exc))
+
+    def _write_event(self, t: Transition) -> None:
+        self._event_seq += 1
+        event = {"at": time.time(), "node": self.cfg.node_id, "kind": "state", "from": t.old.value,
+                 "to": t.new.value, "reason": t.reason}
+        try:
+            self.client.put(self.keys.event(int(time.time() * 1000), self.cfg.node_id, self._event_seq),
+                            json.dumps(event))
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not write event", error=str(exc))
+
+    def _drain_step(self) -> bool:
+        done = True
+        for hook in self.hooks:
+            try:
+                done = bool(hook.on_drain(self, self._drain_deadline)) and done
+            except Exception as exc:  # noqa: BLE001 - an extension must not block the drain forever
+                self.log.error("drain hook failed", hook=type(hook).__name__, error=str(exc))
+        if not done and time.monotonic() >= self._drain_deadline:
+            self.log.warning("drain timeout reached; leaving anyway", timeout_s=self.cfg.drain_timeout_s)
+            return True
+        return done
+
+    def _lead(self) -> None:
+        was = self.election.is_leader
+        nodes_cache: list[NodeRecord] | None = None
+
+        def nodes() -> list[NodeRecord]:
+            nonlocal nodes_cache
+            if nodes_cache is None:
+                nodes_cache = [r for r, _ in read_nodes(self.client, self.keys)]
+                self.metrics.nodes.set(len(nodes_cache))
+            return nodes_cache
+
+        # Only preemptible nodes need the node list (to defer to a non-preemptible one).
+        self.election.step(nodes() if self.cfg.preemptible else [])
+        now = self.election.is_leader
+        self.metrics.leader.set(1 if now else 0)
+        self.metrics.leader_term.set(self.election.term)
+        if now and not was:
+            self.record.leader = True
+            self._call_hooks("on_become_leader", self.election.term)
+        elif was and not now:
+            self._lost_leadership("resigned or deposed")
+        if now and time.time() - self._last_trim > 30:
+            self._trim_events()
+
+    def _lost_leadership(self, reason: str) -> None:
+        self.metrics.leader.set(0)
+        self.metrics.leader_term.set(0)
+        self._call_hooks("on_lose_leadership", reason)
+
+    def _trim_events(self) -> None:
+        # The event log is not leased (it outlives nodes); the leader keeps the newest EVENTS_KEPT.
+        self._last_trim = time.time()
+        try:
+            keys = list(self.client.get_prefix_leases(self.keys.events))
+            if len(keys) > EVENTS_KEPT:
+                cutoff = sorted(keys)[len(keys) - EVENTS_KEPT]
+                self.client.call("/kv/deleterange", {"key": b64(self.keys.events), "range_end": b64(cutoff)})
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not trim events", error=str(exc))
+
+    # ---- startup / shutdown -------------------------------------------------------------
+    def _wait_for_etcd(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        warned = False
+        while True:
+            try:
+                self.client.revision()
+                return
+            except UnavailableError as exc:
+                if time.monotonic() >= deadline or self._drain_reason is not None:
+                    raise UnavailableError(f"{exc} (gave up after {self.cfg.startup_timeout_s:g}s)") from None
+                if not warned:
+                    self.log.warning("waiting for etcd", error=str(exc), timeout_s=self.cfg.startup_timeout_s)
+                    warned = True
+                self.notifier.status("waiting for etcd")
+                self._wake.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _submit_config_spec(self) -> None:
+        spec = self.cfg.train_spec()
+        if spec is None:
+            return
+        try:
+            if submit_spec(self.client, self.keys, spec, by=f"agent {self.cfg.node_id} config"):
+                self.log.info("submitted the job spec from the agent config")
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not submit the config's job spec; continuing", error=str(exc))
+
+    def _start_watch(self) -> None:
+        relevant = (self.keys.leader, self.keys.spec, self.keys.state, self.keys.world, self.keys.nodes,
+                    self.keys.launch(self.cfg.node_id))
+        events, cancel = self.client.watch_prefix(self.keys.prefix)
+        self._watch_cancel = cancel
+
+        def pump() -> None:
+            for ev in events:
+                if ev.key.startswith(relevant):
+                    self._wake.set()
+
+        threading.Thread(target=pump, name="etcd-watch", daemon=True).start()
+
+    def _shutdown(self) -> None:
+        self._call_hooks("on_stop")
+        if self._watch_cancel is not None:
+            self._watch_cancel()
+        if self.state is NodeState.FAILED:
+            self.log.error("agent failed", reason=self._fatal)
+        try:
+            revoked = self.registration.leave()
+            self.log.info("left the cluster", lease_revoked=revoked, state=self.state.value)
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not revoke the lease; it expires on its own", error=str(exc), ttl=self.cfg.ttl)
+        self.client.close()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, _frame: object) -> None:
+            self.request_drain(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _call_hooks(self, name: str, *args: Any) -> None:
+        for hook in self.hooks:
+            try:
+                getattr(hook, name)(self, *args)
+            except Exception as exc:  # noqa: BLE001 - extensions must not kill the daemon
+                self.log.error("hook failed", hook=type(hook).__name__, method=name, error=str(exc))

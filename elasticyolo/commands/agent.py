@@ -1,0 +1,53 @@
+"""`elasticyolo agent`: the per-node daemon (systemd runs it on every VM)."""
+
+from __future__ import annotations
+
+import argparse
+
+from elasticyolo.config import DEFAULT_CONFIG_PATH
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH",
+                        help=f"YAML config (default {DEFAULT_CONFIG_PATH}; env ELASTICYOLO_CONFIG). "
+                             "Precedence: file < env ELASTICYOLO_<SETTING> < flags")
+    parser.add_argument("--etcd", metavar="HOST:PORT[,...]", help="etcd endpoints (several: failover)")
+    parser.add_argument("--job", help="job name (default: default)")
+    parser.add_argument("--node-id", help="unique node id (default: hostname)")
+    parser.add_argument("--host", help="host name shown in status (default: hostname)")
+    parser.add_argument("--addr", help="address other nodes reach this one at (default: hostname)")
+    parser.add_argument("--slots", type=int, help="workers on this node (default: GPUs found, else 1)")
+    parser.add_argument("--ttl", type=int, help="lease TTL in seconds (default 5)")
+    parser.add_argument("--preemptible", action=argparse.BooleanOptionalAction, default=None,
+                        help="spot/preemptible VM (default yes); non-preemptible nodes are preferred as leader")
+    parser.add_argument("--instance-type")
+    parser.add_argument("--zone")
+    parser.add_argument("--price-per-hour", type=float, metavar="USD")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    parser.add_argument("--metrics-addr", help="metrics bind address (default 127.0.0.1)")
+    parser.add_argument("--drain-timeout-s", type=float, help="max seconds to drain on SIGTERM (default 60)")
+    parser.add_argument("--startup-timeout-s", type=float, help="exit 3 if etcd stays unreachable this long at start (default 60)")
+    parser.add_argument("--etcd-ca", metavar="PEM")
+    parser.add_argument("--etcd-cert", metavar="PEM")
+    parser.add_argument("--etcd-key", metavar="PEM")
+    parser.add_argument("--etcd-user")
+    parser.add_argument("--etcd-password-file", metavar="PATH", help="(or env ELASTICYOLO_ETCD_PASSWORD)")
+    parser.add_argument("--etcd-timeout", type=float, metavar="S", help="seconds per etcd request (default 2)")
+    parser.add_argument("--handover", action=argparse.BooleanOptionalAction, default=None,
+                        help="a preemptible leader hands over to a non-preemptible node (default yes)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+_FLAG_FIELDS = ("etcd", "job", "node_id", "host", "addr", "slots", "ttl", "preemptible", "instance_type", "zone",
+                "price_per_hour", "metrics_port", "metrics_addr", "drain_timeout_s", "startup_timeout_s", "etcd_ca",
+                "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_timeout", "handover", "log_level")
+
+
+def run(args: argparse.Namespace) -> int:
+    from elasticyolo import log
+    from elasticyolo.agent.daemon import Agent
+    from elasticyolo.config import load_agent_config
+
+    cfg = load_agent_config(args.config, {name: getattr(args, name) for name in _FLAG_FIELDS})
+    log.configure(cfg.log_level)
+    return Agent(cfg).run()

@@ -1,0 +1,48 @@
+"""`elasticyolo train key=value ...`: train in this process (single node, no etcd)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from elasticyolo.spec import TrainSpec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("options", nargs="*", metavar="key=value",
+                        help="model=yolov8n.yaml data=PATH epochs=E imgsz=S batch=B lr0=... policy=...")
+    parser.add_argument("--progress-jsonl", type=argparse.FileType("w"), default=None,
+                        help="also write one JSON record per step to this file")
+    parser.add_argument("--save", default=None, help="write the final checkpoint (.pt, loads with YOLO(path)) here")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = TrainSpec.from_pairs(args.options)
+    from elasticyolo.data.yaml_check import load_data_yaml
+
+    load_data_yaml(spec.data)  # fail fast with a clear line, before torch loads
+    from elasticyolo.train.core import TrainCore, quiet_ultralytics
+    from elasticyolo.train.loop import TrainingLoop
+    from elasticyolo.train.report import JsonLines, ProgressBar
+
+    quiet_ultralytics()
+    core = TrainCore(spec)
+    sinks = []
+    bar = ProgressBar(spec.epochs, core.sampler.num_samples) if sys.stderr.isatty() else None
+    if bar:
+        sinks.append(bar)
+    if args.progress_jsonl:
+        sinks.append(JsonLines(args.progress_jsonl))
+    summary = TrainingLoop(core, sinks=sinks).run()
+    if bar:
+        bar.close()
+    if args.save:
+        from elasticyolo.train.state import save_checkpoint_file
+
+        save_checkpoint_file(core, args.save)
+    m = summary.metrics
+    print(
+        f"done: epochs={summary.epochs} steps={summary.steps} images={summary.images} "
+        f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} seconds={summary.seconds:.1f}"
+    )
+    return 0

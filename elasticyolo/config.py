@@ -1,0 +1,204 @@
+"""Agent configuration: `/etc/elasticyolo/agent.yaml` (path overridable), then env
+`ELASTICYOLO_<FIELD>`, then CLI flags — later sources win. Validated with pydantic; every
+problem is reported in one line naming the field and where its value came from.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from elasticyolo.cluster.etcd import parse_endpoints
+from elasticyolo.cluster.keys import check_job_name, check_node_id
+from elasticyolo.errors import UserError
+from elasticyolo.spec import TrainSpec
+
+DEFAULT_CONFIG_PATH = "/etc/elasticyolo/agent.yaml"
+
+
+def detect_slots() -> int:
+    """GPUs on this VM without importing torch (/dev/nvidiaN), else 1 (CPU: set `slots`)."""
+    return max(1, len([p for p in glob.glob("/dev/nvidia[0-9]*") if p[len("/dev/nvidia"):].isdigit()]))
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # etcd
+    etcd: list[str] = Field(..., description="etcd endpoints host:port (several: failover)")
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = Field(None, repr=False)
+    etcd_password_file: str | None = None
+    etcd_timeout: float = Field(2.0, gt=0, le=60, description="seconds per etcd request")
+
+    # identity
+    job: str = "default"
+    node_id: str = Field(default_factory=socket.gethostname)
+    host: str = Field(default_factory=socket.gethostname)
+    addr: str = Field(default_factory=socket.gethostname, description="address other nodes use for this one")
+    slots: int = Field(default_factory=detect_slots, ge=1, le=1024)
+    preemptible: bool = True
+    instance_type: str | None = None
+    zone: str | None = None
+    price_per_hour: float | None = Field(None, ge=0)
+
+    # behaviour
+    ttl: int = Field(5, ge=1, le=300, description="lease TTL in seconds")
+    handover: bool = Field(True, description="a preemptible leader hands over to a non-preemptible node")
+    drain_timeout_s: float = Field(60.0, ge=0)
+    startup_timeout_s: float = Field(60.0, ge=0, description="give up (exit 3) if etcd is unreachable this long at start")
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_addr: str = "127.0.0.1"
+    log_level: str = "info"
+
+    # a job spec for VMs that boot straight into one job (submitted if etcd has none)
+    spec: dict[str, Any] | None = None
+
+    @field_validator("etcd", mode="before")
+    @classmethod
+    def _split_endpoints(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("etcd")
+    @classmethod
+    def _endpoints_ok(cls, v: list[str]) -> list[str]:
+        try:
+            parse_endpoints(v, tls=False)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("job")
+    @classmethod
+    def _job_ok(cls, v: str) -> str:
+        try:
+            return check_job_name(v)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_ok(cls, v: str) -> str:
+        try:
+            return check_node_id(v)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
+    @classmethod
+    def _file_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"{v}: no such file")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level_ok(cls, v: str) -> str:
+        if v.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError("expected debug, info, warning or error")
+        return v.lower()
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr_ok(cls, v: str) -> str:
+        try:
+            socket.inet_aton(v)
+        except OSError:
+            raise ValueError(f"{v!r} is not an IPv4 address") from None
+        return v
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "AgentConfig":
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ValueError("etcd_cert and etcd_key go together")
+        if self.etcd_password_file and self.etcd_password is None:
+            self.etcd_password = Path(self.etcd_password_file).read_text().strip()
+        return self
+
+    def train_spec(self, where: str = "agent config") -> TrainSpec | None:
+        return None if self.spec is None else TrainSpec.validated(self.spec, f"{where}: spec")
+
+    def tls(self) -> bool:
+        return bool(self.etcd_ca or self.etcd_cert)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a YAML mapping; UserError (one line, with the line number) when it is not one."""
+    import yaml
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise UserError(f"config file {path}:{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def load_agent_config(config_path: str | None, flags: Mapping[str, Any],
+                      environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Merge file < env < flags (flags with value None are "not given") and validate."""
+    env = os.environ if environ is None else environ
+    explicit = config_path or env.get("ELASTICYOLO_CONFIG")
+    path = Path(explicit or DEFAULT_CONFIG_PATH)
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if path.exists():
+        for k, v in read_config_file(path).items():
+            values[str(k)] = v
+            origin[str(k)] = f"config file {path}"
+    elif explicit:
+        raise UserError(f"config file {path}: not found")
+    for name in AgentConfig.model_fields:
+        env_name = "ELASTICYOLO_" + name.upper()
+        if env.get(env_name) not in (None, ""):
+            raw: Any = env[env_name]
+            if name == "spec":
+                import json
+
+                try:
+                    raw = json.loads(raw)
+                except ValueError:
+                    raise UserError(f"env {env_name}: expected a JSON object") from None
+            values[name] = raw
+            origin[name] = f"env {env_name}"
+    for name, v in flags.items():
+        if v is not None:
+            values[name] = v
+            origin[name] = f"--{name.replace('_', '-')}"
+    if not values.get("etcd"):
+        raise UserError("no etcd endpoints: pass --etcd HOST:PORT[,...], set ELASTICYOLO_ETCD, or put etcd: in "
+                        f"{path}")
+    try:
+        cfg = AgentConfig.model_validate(values)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            msg = err["msg"].removeprefix("Value error, ")
+            src = origin.get(field, "")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown setting"
+            parts.append(f"{field or 'config'}: {msg}" + (f" (from {src})" if src else ""))
+        raise UserError("invalid agent config: " + "; ".join(parts)) from None
+    cfg.train_spec(where=origin.get("spec", "agent config"))  # a bad spec fails now, before any write
+    return cfg

@@ -1,0 +1,1 @@
+"""Datasets: synthetic generation and `data.yaml` validation (no torch)."""

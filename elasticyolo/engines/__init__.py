@@ -1,0 +1,1 @@
+"""Training engines: Horovod Elastic and torch elastic."""

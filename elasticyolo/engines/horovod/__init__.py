@@ -1,0 +1,1 @@
+"""Horovod Elastic engine: worker side (`worker.py`) and, on the leader, the driver."""

@@ -1,0 +1,161 @@
+"""A Horovod Elastic training worker: `hvd.elastic.run` around the shared training loop.
+
+State kept by `hvd.elastic.TorchState`: optimizer, model, EMA model (tensors broadcast from rank
+0 on sync) and a progress record (epoch, consumed samples, step, LR-ramp state), the AMP scaler
+and EMA update count (plain objects). A commit copies them to host memory; a failed collective
+rolls every survivor back to the last commit, and the sampler resumes from that record, so no
+sample of an epoch is trained twice or skipped (counting committed work only).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import elasticyolo.train  # noqa: F401  (offline Ultralytics before anything imports it)
+import horovod.torch as hvd
+import torch
+from horovod.common.exceptions import HostsUpdatedInterrupt
+
+from elasticyolo.log import get_logger
+from elasticyolo.spec import TrainSpec
+from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics
+from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
+
+log = get_logger("elasticyolo.worker")
+
+
+class AlwaysSyncTorchState(hvd.elastic.TorchState):
+    """Every hosts-updated reset re-syncs state from rank 0.
+
+    Stock Horovod skips `sync()` when hosts were only removed; if a spare host is promoted in the
+    same reset, the newcomer calls `sync()` (a broadcast) while survivors don't, and the job
+    deadlocks (Horovod issue #3494). Syncing on every reset costs one broadcast and removes that.
+    """
+
+    def check_host_updates(self) -> None:
+        try:
+            super().check_host_updates()
+        except HostsUpdatedInterrupt:
+            raise HostsUpdatedInterrupt(False) from None
+
+
+def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state with a zero-LR step.
+
+    Horovod's optimizer-state broadcast runs a real `optimizer.step()` on any rank whose state is
+    empty (a fresh worker joining), which would apply weight decay to its parameters; with state
+    already present it only broadcasts.
+    """
+    if optimizer.state_dict()["state"]:
+        return
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+class HorovodHooks:
+    """Commits through the elastic state; picks the commit interval (~1 s of work) on rank 0."""
+
+    def __init__(self, state: "AlwaysSyncTorchState", core: TrainCore, target_s: float = 1.0) -> None:
+        self.state, self.core, self.target_s = state, core, target_s
+        self._fixed = core.spec.commit_every
+        self._t_last = time.perf_counter()
+        self._step_last = core.progress.step
+
+    def commit(self) -> None:
+        store_core_into_state(self.core, self.state)
+        self.state.commit()
+
+    def commit_every(self, core: TrainCore) -> int:
+        if self._fixed:
+            return self._fixed
+        now, step = time.perf_counter(), core.progress.step
+        per_step = (now - self._t_last) / max(step - self._step_last, 1)
+        self._t_last, self._step_last = now, step
+        n = max(1, round(self.target_s / per_step)) if step > 0 else 1
+        # Every rank must commit at the same steps: rank 0 decides.
+        return int(hvd.broadcast_object(n, root_rank=0, name="commit_every"))
+
+
+def store_core_into_state(core: TrainCore, state: Any) -> None:
+    # Fresh objects every time: ObjectState.save() keeps references, not copies.
+    state.progress = asdict(core.progress)
+    state.scaler = core.scaler.state_dict()
+    state.ema_updates = core.ema.updates
+
+
+def load_core_from_state(core: TrainCore, state: Any) -> None:
+    core.progress = Progress(**state.progress)
+    core.ema.updates = state.ema_updates
+    if state.scaler:
+        core.scaler.load_state_dict(state.scaler)
+    core.sync_sampler_from_progress()
+
+
+def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None) -> Summary | None:
+    quiet_ultralytics()
+    hvd.init()
+    compression = hvd.Compression.fp16 if spec.fp16_allreduce else hvd.Compression.none
+
+    def allreduce(grads: list[torch.Tensor]) -> None:
+        if hvd.size() == 1:
+            return
+        reduced = hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression, name="grads")
+        for g, r in zip(grads, reduced):
+            g.copy_(r)
+
+    core = TrainCore(spec, rank=hvd.rank(), world=hvd.size(), local_rank=hvd.local_rank(), grad_allreduce=allreduce)
+    prime_optimizer_state(core.optimizer)
+    trace = TraceWriter()
+    # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
+    state = AlwaysSyncTorchState(
+        model=None, optimizer=None, opt=core.optimizer, net=core.model, ema=core.ema.ema,
+        progress=asdict(core.progress), scaler=core.scaler.state_dict(), ema_updates=core.ema.updates,
+    )
+
+    def on_reset() -> None:
+        trace.write("reset", rank=hvd.rank(), world=hvd.size())
+        log.info("reset", rank=hvd.rank(), world=hvd.size())
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state: AlwaysSyncTorchState) -> Summary:
+        load_core_from_state(core, state)
+        core.set_world(hvd.size(), hvd.rank())
+        trace.write("resume", rank=core.rank, world=core.world, step=core.progress.step,
+                    epoch=core.progress.epoch, consumed=core.progress.consumed, lr_scale=core.current_lr_scale(),
+                    accumulate=core.scaling.accumulate, params_digest=params_digest(core.model))
+        log.info("training", rank=core.rank, world=core.world, epoch=core.progress.epoch, step=core.progress.step)
+        loop = TrainingLoop(core, hooks=HorovodHooks(state, core), sinks=sinks if core.rank == 0 else [], trace=trace)
+        return loop.run()
+
+    summary = train(state)
+    trace.write("done", rank=hvd.rank(), world=hvd.size(), step=core.progress.step)
+    if hvd.rank() == 0:
+        m = summary.metrics
+        print(f"done: epochs={summary.epochs} steps={summary.steps} world={hvd.size()} "
+              f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} "
+              f"seconds={summary.seconds:.1f}", flush=True)
+    return summary
+
+
+def params_digest(model: torch.nn.Module) -> float:
+    """A cheap fingerprint of the parameters, to show ranks hold identical weights after a sync."""
+    with torch.no_grad():
+        return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(model.parameters())))
+
+
+def main_from_env() -> None:  # pragma: no cover - used through `elasticyolo worker`
+    spec = TrainSpec.from_json(os.environ["ELASTICYOLO_SPEC"], "ELASTICYOLO_SPEC")
+    run_worker(spec)

@@ -1,0 +1,371 @@
+"""torch elastic rendezvous on etcd v3: a `RendezvousBackend`, a c10d `Store`, and a handler.
+
+Why not torch's own: its `etcd`/`etcd-v2` backends speak the etcd v2 API (gone in etcd 3.6), and
+its stock `DynamicRendezvousHandler` hangs when a node joins a running job (it publishes
+MASTER_ADDR/PORT for the shared TCPStore only in the first round it sees; see DESIGN.md).
+
+Key layout (one job = one `run_id`)::
+
+    <key_prefix>/<run_id>/rdzv/state        the rendezvous state; mod revision = fencing token
+    <key_prefix>/<run_id>/rdzv/store/<key>  the c10d store used by the agents during a round
+
+Everything goes through `elasticyolo.cluster.etcd.EtcdClient` (endpoint failover, TLS/auth,
+bounded retries).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import time
+import zlib
+from datetime import timedelta
+from typing import Any, Protocol, Sequence
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+)
+
+from elasticyolo.errors import UnavailableError
+from elasticyolo.log import get_logger
+
+log = get_logger("elasticyolo.rdzv")
+
+BACKEND_NAME = "etcd3"
+DEFAULT_KEY_PREFIX = "/elasticyolo"
+# A rendezvous op that fails with RendezvousConnectionError kills the torch agent, so ride out an
+# etcd leader election (~2 s on loopback, longer on a WAN) before giving up.
+DEFAULT_RETRY_WINDOW = 15.0
+
+# State envelope: magic, CRC32 of the payload, a per-write nonce, base64 payload. Corruption (a
+# truncated or foreign value under our key) is detected here instead of as a pickle error deep in
+# torch; the nonce makes every write's bytes unique (see set_state).
+_MAGIC = b"eyrdzv1"
+
+
+class KV(Protocol):
+    """The part of `EtcdClient` this module uses (tests may pass a fake)."""
+
+    def get(self, key: str) -> tuple[bytes, int] | None: ...
+    def get_many(self, keys: Sequence[str]) -> dict[str, tuple[bytes, int] | None]: ...
+    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]: ...
+    def put(self, key: str, value: bytes | str, lease: int | None = None) -> int: ...
+    def delete(self, key: str) -> bool: ...
+    def delete_prefix(self, prefix: str) -> int: ...
+    def compare_and_swap(self, key: str, value: bytes | str, expected_mod_revision: int,
+                         lease: int | None = None) -> tuple[bool, tuple[bytes, int] | None]: ...
+
+
+def make_client(endpoints: str | Sequence[str], **tls_auth_options: Any) -> KV:
+    """An `EtcdClient` (imported lazily so this module imports without the cluster layer loaded)."""
+    from elasticyolo.cluster.etcd import EtcdClient
+
+    tls_auth_options.setdefault("retry_window", DEFAULT_RETRY_WINDOW)
+    return EtcdClient(endpoints, **tls_auth_options)  # type: ignore[return-value]
+
+
+def encode_state(state: bytes) -> bytes:
+    return b"%s %08x %s %s" % (_MAGIC, zlib.crc32(state), os.urandom(8).hex().encode(),
+                               base64.b64encode(state))
+
+
+def decode_state(raw: bytes) -> bytes:
+    try:
+        magic, crc, _nonce, payload = raw.split(b" ", 3)
+        if magic != _MAGIC:
+            raise ValueError("not an elasticyolo rendezvous state")
+        state = base64.b64decode(payload, validate=True)
+        if zlib.crc32(state) != int(crc, 16):
+            raise ValueError("checksum mismatch")
+    except (ValueError, binascii.Error) as exc:
+        raise RendezvousStateError(f"The rendezvous state in etcd is corrupt: {exc}") from exc
+    return state
+
+
+def _parse_token(token: Token | None) -> int | None:
+    """A valid token is a positive mod revision (int or its decimal text); else None."""
+    if isinstance(token, bool):
+        return None
+    if isinstance(token, int):
+        return token if token > 0 else None
+    if isinstance(token, (str, bytes)):
+        try:
+            value = int(token)
+        except ValueError:
+            return None
+        return value if value > 0 else None
+    return None
+
+
+class EtcdRendezvousBackend(RendezvousBackend):
+    """Rendezvous state in one etcd v3 key; its mod revision is the fencing token.
+
+    `set_state` is a single compare-and-swap txn on that revision (create-if-absent when no
+    token is given), so concurrent agents never lose an update.
+    """
+
+    def __init__(
+        self,
+        endpoints: str,
+        run_id: str,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        *,
+        client: KV | None = None,
+        **tls_auth_options: Any,
+    ) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self.run_id = run_id
+        self.root = f"{key_prefix.rstrip('/')}/{run_id}/rdzv"
+        self.key = f"{self.root}/state"
+        self.store_prefix = f"{self.root}/store"
+        self.client: KV = client if client is not None else make_client(endpoints, **tls_auth_options)
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        found = self._call(self.client.get, self.key)
+        if found is None:
+            return None
+        raw, revision = found
+        return decode_state(raw), revision
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        if token is None:
+            expected = 0  # create only if absent
+        else:
+            parsed = _parse_token(token)
+            if parsed is None:
+                # An invalid token can never match: report what is there, change nothing.
+                current = self.get_state()
+                return None if current is None else (*current, False)
+            expected = parsed
+        raw = encode_state(state)
+        ok, current_kv = self._call(self.client.compare_and_swap, self.key, raw, expected)
+        if current_kv is None:
+            return None
+        current_raw, revision = current_kv
+        # EtcdClient may retry a txn whose first attempt did commit and then report a failed
+        # compare; thanks to the nonce, finding our exact bytes means that attempt won.
+        won = ok or current_raw == raw
+        return decode_state(current_raw), revision, won
+
+    def clear(self) -> int:
+        """Delete this run's state and store keys (before reusing a run id: a closed state
+        left by an earlier run would make every new agent exit at once)."""
+        return int(self._call(self.client.delete_prefix, self.root + "/"))
+
+    @staticmethod
+    def _call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except UnavailableError as exc:
+            raise RendezvousConnectionError(f"etcd is unavailable: {exc}") from exc
+        except RendezvousStateError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch expects one of its rendezvous errors
+            raise RendezvousConnectionError(f"etcd request failed: {exc}") from exc
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """A c10d Store on etcd v3 for the agents' per-round traffic (MASTER_ADDR/PORT, rank
+    assignment, barriers). Blocking reads poll (few keys, short-lived, loopback-fast); the
+    state does not live on any one node, so losing any node loses no store."""
+
+    _POLL_MIN, _POLL_MAX = 0.01, 0.2
+
+    def __init__(self, client: KV, prefix: str, timeout: timedelta | None = None) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self.client = client
+        self.prefix = prefix.rstrip("/") + "/"
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def set(self, key: str, value: Any) -> None:
+        EtcdRendezvousBackend._call(self.client.put, self._k(key), _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        found = self._wait_for([key], self.timeout)
+        if found is None:
+            raise LookupError(f"key {key!r} not found in the etcd store within {self.timeout}")
+        return found[key]
+
+    def add(self, key: str, num: int) -> int:
+        while True:
+            found = EtcdRendezvousBackend._call(self.client.get, self._k(key))
+            current, rev = (int(found[0]), found[1]) if found else (0, 0)
+            new = current + int(num)
+            ok, _ = EtcdRendezvousBackend._call(self.client.compare_and_swap, self._k(key), str(new), rev)
+            if ok:
+                return new
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        # TCPStore semantics: absent + empty expected -> set; absent otherwise -> return expected.
+        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        while True:
+            found = EtcdRendezvousBackend._call(self.client.get, self._k(key))
+            if found is None and expected:
+                return expected
+            if found is not None and found[0] != expected:
+                return found[0]
+            ok, _ = EtcdRendezvousBackend._call(
+                self.client.compare_and_swap, self._k(key), desired, found[1] if found else 0)
+            if ok:
+                return desired
+
+    def delete_key(self, key: str) -> bool:
+        return bool(EtcdRendezvousBackend._call(self.client.delete, self._k(key)))
+
+    def num_keys(self) -> int:
+        return len(EtcdRendezvousBackend._call(self.client.get_prefix, self.prefix))
+
+    # The C++ trampoline looks these two up by their C++ names (e.g. through PrefixStore).
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
+    def check(self, keys: list[str]) -> bool:
+        return self._wait_for(keys, timedelta(0)) is not None
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if self._wait_for(keys, timeout if timeout is not None else self.timeout) is None:
+            raise LookupError(f"timed out waiting for keys {keys} in the etcd store")
+
+    def _wait_for(self, keys: list[str], timeout: timedelta) -> dict[str, bytes] | None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        delay = self._POLL_MIN
+        full = [self._k(k) for k in keys]
+        while True:
+            found = EtcdRendezvousBackend._call(self.client.get_many, full)
+            if all(found.get(k) is not None for k in full):
+                return {k: found[fk][0] for k, fk in zip(keys, full)}  # type: ignore[index]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, self._POLL_MAX)
+
+
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous with a fresh bootstrap store every round.
+
+    The stock handler caches MASTER_ADDR/PORT and the rank-0 agent's shared TCPStore from the
+    first round; a node joining later (or a new rank 0) then waits forever for keys nobody
+    writes in the new round, or reaches dead workers through the old store. Forgetting both
+    before each round makes the round's rank 0 start a new TCPStore and publish its address in
+    this round's (prefixed) etcd store — the scale-up fix of TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    while keeping the store in the agent (workers never pick a port themselves), and it works the
+    same when that variable is set. Old rounds' store keys are deleted as we go.
+    """
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        # Private attrs of torch>=2.4's handler; the workers of the previous round are already
+        # stopped when the agent asks for the next one, so dropping the old server is safe.
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
+        info = super().next_rendezvous()
+        round_ = self._state_holder.state.round
+        log.info("rendezvous round complete", run_id=self._settings.run_id, round=round_,
+                 rank=info.rank, world_size=info.world_size)
+        if info.rank == 0 and round_ >= 2:
+            self._forget_round(round_ - 2)
+        return info
+
+    def _forget_round(self, round_: int) -> None:
+        store = self._store
+        if not isinstance(store, EtcdStore):
+            return
+        prefix = f"{store.prefix}torch.rendezvous.{self._settings.run_id}.{round_}/"
+        try:
+            store.client.delete_prefix(prefix)
+        except Exception as exc:  # noqa: BLE001 - garbage collection is best effort
+            log.warning("could not delete old rendezvous keys", prefix=prefix, error=str(exc))
+
+
+def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
+    value = params.get_as_int(f"{key}_timeout")
+    return None if value is None else timedelta(seconds=value)
+
+
+# `--rdzv-conf` keys passed to EtcdClient (aliases match torch's etcd-v2 names).
+_CONF_ALIASES = {
+    "ca_cert": "ca_cert",
+    "cert_cert": "cert_cert",
+    "ssl_cert": "cert_cert",
+    "cert_key": "cert_key",
+    "ssl_cert_key": "cert_key",
+    "user": "user",
+    "password": "password",
+}
+
+
+def client_options(params: RendezvousParameters) -> dict[str, Any]:
+    """EtcdClient options from `--rdzv-conf` and the environment (secrets belong in the env:
+    torchrun's command line is visible in `ps`)."""
+    opts: dict[str, Any] = {}
+    for conf_key, opt in _CONF_ALIASES.items():
+        value = params.get(conf_key)
+        if value:
+            opts[opt] = value
+    env = {"ca_cert": "ELASTICYOLO_ETCD_CA_CERT", "cert_cert": "ELASTICYOLO_ETCD_CERT",
+           "cert_key": "ELASTICYOLO_ETCD_KEY", "user": "ELASTICYOLO_ETCD_USER",
+           "password": "ELASTICYOLO_ETCD_PASSWORD"}
+    for opt, var in env.items():
+        if opt not in opts and os.environ.get(var):
+            opts[opt] = os.environ[var]
+    if params.get("etcd_timeout"):
+        opts["timeout"] = float(params.get("etcd_timeout"))
+    if params.get("etcd_retry_window"):
+        opts["retry_window"] = float(params.get("etcd_retry_window"))
+    return opts
+
+
+def create_backend(params: RendezvousParameters, client: KV | None = None
+                   ) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+    """Backend and agent store from torchrun's parameters (`--rdzv-endpoint` may list several
+    comma-separated etcd endpoints; `--rdzv-conf key_prefix=...` moves the keys)."""
+    endpoints = params.endpoint
+    if params.get("protocol", "http").strip().lower() == "https":
+        endpoints = ",".join(e if "://" in e else f"https://{e}" for e in endpoints.split(","))
+    backend = EtcdRendezvousBackend(
+        endpoints, params.run_id, params.get("key_prefix", DEFAULT_KEY_PREFIX),
+        client=client, **({} if client is not None else client_options(params)))
+    read_timeout = params.get_as_int("read_timeout", 60) or 60
+    store = EtcdStore(backend.client, backend.store_prefix, timedelta(seconds=read_timeout))
+    return backend, store
+
+
+def create_handler(params: RendezvousParameters, client: KV | None = None) -> EtcdRendezvousHandler:
+    """The torchrun handler for `--rdzv-backend=etcd3` (same `--rdzv-conf` timeouts as c10d:
+    join_timeout, last_call_timeout, close_timeout, heartbeat_timeout, keep_alive_interval,
+    keep_alive_max_attempt)."""
+    backend, store = create_backend(params, client)
+    timeout = RendezvousTimeout(_timeout(params, "join"), _timeout(params, "last_call"),
+                                _timeout(params, "close"), _timeout(params, "heartbeat"))
+    return EtcdRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
+    )

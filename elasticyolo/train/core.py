@@ -1,0 +1,343 @@
+"""The engine-neutral training core: one Ultralytics detector trained by our own loop.
+
+Ultralytics' Trainer cannot run elastic (fixed world size, its own DDP launcher, rank-0-only
+epoch-end saves), so we own the loop and reuse its parts: `DetectionModel`, the YOLO dataset and
+augmentation, the detection loss, `BaseTrainer.build_optimizer`, `ModelEMA`, and
+`DetectionValidator` for mAP. Engines (Horovod, torch elastic) supply `rank`, `world` and a
+gradient all-reduce; everything else lives here.
+
+Step semantics: one *step* is one optimizer step. It is made of `accumulate` micro-batches, each
+consuming `world * batch` positions of the epoch's permutation (see `sampler.py`). The LR and
+warmup are functions of (epoch, fraction of epoch done), so they do not depend on world size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import elasticyolo.train  # noqa: F401  (offline environment before Ultralytics loads)
+import numpy as np
+import torch
+from torch import nn
+
+from elasticyolo.data.yaml_check import load_data_yaml
+from elasticyolo.models import require_model
+from elasticyolo.spec import TrainSpec
+from elasticyolo.train.offline import disable_ultralytics_network
+from elasticyolo.train.policy import Scaling, resize_ramp, scaling_for
+from elasticyolo.train.sampler import ElasticSampler
+
+from ultralytics.cfg import get_cfg  # noqa: E402
+from ultralytics.data import build_yolo_dataset  # noqa: E402
+from ultralytics.engine.trainer import BaseTrainer  # noqa: E402
+from ultralytics.nn.tasks import DetectionModel, load_checkpoint  # noqa: E402
+from ultralytics.utils import LOGGER  # noqa: E402
+from ultralytics.utils.torch_utils import ModelEMA, one_cycle  # noqa: E402
+
+disable_ultralytics_network()
+
+GradAllreduce = Callable[[list[torch.Tensor]], None]
+"""Averages the given gradient tensors across the world, in place."""
+
+
+def no_allreduce(_: list[torch.Tensor]) -> None:
+    return None
+
+
+def pick_device(spec: TrainSpec, local_rank: int) -> torch.device:
+    if spec.device in ("", "auto"):
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if spec.device.isdigit():
+        return torch.device(f"cuda:{spec.device}")
+    return torch.device(spec.device)
+
+
+def build_model(spec: TrainSpec, nc: int, names: dict[int, str]) -> DetectionModel:
+    """A `DetectionModel` from a YAML architecture (random init) or a local `.pt`."""
+    name = require_model(spec.model)
+    if name.endswith(".pt"):
+        model, _ = load_checkpoint(name)
+        model = model.float()
+        if getattr(model, "nc", nc) != nc:
+            # Same architecture, new head: Ultralytics' transfer path.
+            fresh = DetectionModel(cfg=model.yaml, nc=nc, ch=3, verbose=False)
+            fresh.load(model)
+            model = fresh
+    else:
+        model = DetectionModel(cfg=name, nc=nc, ch=3, verbose=False)
+    model.names = names
+    model.nc = nc
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean per-image total loss of this rank's micro-batches
+    images: int  # images this rank trained in the step
+    micro_batches: int
+    seconds: float
+
+
+@dataclass
+class Progress:
+    """Everything that must survive a rollback or a restart besides model/optimizer/EMA."""
+
+    epoch: int = 0
+    consumed: int = 0
+    step: int = 0  # optimizer steps since the start of the job
+    lr_scale: float = 1.0  # applied LR scale (may be mid-ramp)
+    ramp_from: float = 1.0  # scale at the last resize
+    steps_since_resize: int = 1 << 30
+    world: int = 0  # world size the scale was computed for
+    optimizer_name: str = ""
+    lr0: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)  # per-epoch metrics
+
+
+class TrainCore:
+    def __init__(
+        self,
+        spec: TrainSpec,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        local_rank: int = 0,
+        grad_allreduce: GradAllreduce = no_allreduce,
+        work_dir: str | Path | None = None,
+    ) -> None:
+        self.spec = spec
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.grad_allreduce = grad_allreduce
+        self.device = pick_device(spec, local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.work_dir = Path(work_dir or "runs/elasticyolo")
+        self.data = load_data_yaml(spec.data)
+        torch.manual_seed(spec.seed)
+        np.random.seed(spec.seed)
+
+        overrides = spec.ultralytics_overrides()
+        overrides.update(data=self.data["yaml_file"], model=spec.model, plots=False, val=spec.val, verbose=False)
+        self.hyp = get_cfg(overrides=overrides)
+        self.model = build_model(spec, self.data["nc"], self.data["names"]).to(self.device)
+        self.model.args = self.hyp  # the loss reads box/cls/dfl gains from here
+        self.stride = max(int(self.model.stride.max()), 32)
+
+        self.train_set = build_yolo_dataset(self.hyp, self.data["train"], spec.batch, self.data, mode="train",
+                                            stride=self.stride)
+        self.sampler = ElasticSampler(len(self.train_set), spec.batch, seed=spec.seed)
+        self.amp = bool(spec.amp and self.device.type == "cuda")
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
+
+        # Optimizer chosen once for the reference world (so it never changes on a resize).
+        base = scaling_for(spec.policy, spec.ref_world, batch=spec.batch, nbs=spec.nbs, ref_world=spec.ref_world)
+        iterations = math.ceil(len(self.train_set) / max(spec.batch * spec.ref_world, spec.nbs)) * spec.epochs
+        shim = SimpleNamespace(args=self.hyp, data=self.data)
+        self.optimizer = BaseTrainer.build_optimizer(
+            shim, model=self.model, name=spec.optimizer, lr=spec.lr0, momentum=spec.momentum,
+            decay=self._decay(base), iterations=iterations,
+        )
+        for g in self.optimizer.param_groups:
+            g.setdefault("initial_lr", g["lr"])
+        self.lf: Callable[[float], float] = (
+            one_cycle(1, self.hyp.lrf, spec.epochs) if spec.cos_lr
+            else (lambda x: max(1 - x / spec.epochs, 0) * (1.0 - self.hyp.lrf) + self.hyp.lrf)
+        )
+        self.ema = ModelEMA(self.model)
+        self.progress = Progress(optimizer_name=type(self.optimizer).__name__, lr0=self.optimizer.param_groups[0]["initial_lr"])
+        self.scaling: Scaling = base
+        self._mosaic_closed = False
+        self.set_world(world, rank)
+        self._val_loader: Any = None
+
+    # ---- world size and policy -------------------------------------------------------------
+    def _decay(self, scaling: Scaling) -> float:
+        """Ultralytics scales weight decay with the batch per optimizer step."""
+        return self.spec.weight_decay * scaling.global_batch / self.spec.nbs
+
+    def set_world(self, world: int, rank: int) -> None:
+        """Apply the rescaling policy for a (possibly new) world size. Called at start, after every
+        reset and after restoring state; a change of size starts the LR ramp."""
+        self.world, self.rank = world, rank
+        new = scaling_for(self.spec.policy, world, batch=self.spec.batch, nbs=self.spec.nbs, ref_world=self.spec.ref_world)
+        p = self.progress
+        if p.world and p.world != world:
+            p.ramp_from = p.lr_scale
+            p.steps_since_resize = 0
+        elif not p.world:
+            p.ramp_from = new.lr_scale
+        p.world = world
+        self.scaling = new
+        for g in self.optimizer.param_groups:
+            if g.get("param_group") in ("weight", "muon"):
+                g["weight_decay"] = self._decay(new)
+
+    def current_lr_scale(self) -> float:
+        p = self.progress
+        return resize_ramp(p.ramp_from, self.scaling.lr_scale, p.steps_since_resize, self.spec.resize_warmup_steps)
+
+    # ---- LR schedule (Ultralytics' warmup + lambda schedule) --------------------------------
+    def _warmup_fraction(self) -> float | None:
+        """Fraction of warmup done, or None once warmup is over. Ultralytics keeps the last epoch
+        out of warmup."""
+        warm_epochs = min(self.spec.warmup_epochs, max(self.spec.epochs - 1, 0))
+        if warm_epochs <= 0:
+            return None
+        done = self.progress.epoch + self.sampler.state.consumed / self.sampler.num_samples
+        frac = done / warm_epochs
+        return frac if frac <= 1.0 else None
+
+    def apply_schedule(self) -> tuple[float, int]:
+        """Set every param group's LR/momentum for the next step; return (lr of group 0, accumulate)."""
+        scale = self.current_lr_scale()
+        self.progress.lr_scale = scale
+        epoch_factor = self.lf(self.progress.epoch)
+        warm = self._warmup_fraction()
+        acc = self.scaling.accumulate
+        for g in self.optimizer.param_groups:
+            target = g["initial_lr"] * epoch_factor * scale
+            if warm is not None:
+                start = self.hyp.warmup_bias_lr if g.get("param_group") == "bias" else 0.0
+                g["lr"] = float(np.interp(warm, [0, 1], [start, target]))
+                if "momentum" in g:
+                    g["momentum"] = float(np.interp(warm, [0, 1], [self.hyp.warmup_momentum, self.hyp.momentum]))
+            else:
+                g["lr"] = target
+                if "momentum" in g:
+                    g["momentum"] = self.hyp.momentum
+        if warm is not None:
+            acc = max(1, int(np.interp(warm, [0, 1], [1, acc]).round()))
+        return self.optimizer.param_groups[0]["lr"], acc
+
+    # ---- data ------------------------------------------------------------------------------
+    def begin_epoch(self) -> None:
+        """Idempotent per-epoch setup (safe to call again after a rollback)."""
+        if not self._mosaic_closed and self.progress.epoch >= self.spec.epochs - self.spec.close_mosaic:
+            self.train_set.close_mosaic(self.hyp)
+            self._mosaic_closed = True
+
+    def load_batch(self, indices: Sequence[int]) -> dict[str, Any] | None:
+        if not indices:
+            return None
+        return self.train_set.collate_fn([self.train_set[i] for i in indices])
+
+    def preprocess(self, batch: dict[str, Any]) -> dict[str, Any]:
+        non_blocking = self.device.type == "cuda"
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor):
+                batch[k] = v.to(self.device, non_blocking=non_blocking)
+        batch["img"] = batch["img"].float() / 255
+        return batch
+
+    # ---- one optimizer step ----------------------------------------------------------------
+    def train_step(self, on_indices: Callable[[list[int]], None] | None = None) -> StepResult:
+        """Run `accumulate` micro-batches (fewer at the end of an epoch), all-reduce the gradients,
+        clip, step, update EMA. Advances the sampler and `progress.step`."""
+        t0 = time.perf_counter()
+        self.model.train()
+        self.begin_epoch()
+        _, acc = self.apply_schedule()
+        total_loss, images, micro = 0.0, 0, 0
+        while micro < acc and not self.sampler.epoch_done():
+            indices = self.sampler.shard(self.rank, self.world)
+            if on_indices is not None:
+                on_indices(indices)
+            batch = self.load_batch(indices)
+            if batch is not None:
+                batch = self.preprocess(batch)
+                with torch.autocast(self.device.type, enabled=self.amp):
+                    loss, items = self.model(batch)
+                    # Ultralytics: the loss is summed over images; multiplying by the world size
+                    # makes the averaging all-reduce a sum over the global batch, as with its DDP.
+                    loss = loss.sum() * self.world
+                self.scaler.scale(loss).backward()
+                total_loss += float(loss.detach()) / self.world
+                images += len(indices)
+            self.sampler.advance(self.world)
+            micro += 1
+        self._optimizer_step()
+        p = self.progress
+        p.step += 1
+        p.steps_since_resize += 1
+        p.consumed = self.sampler.state.consumed
+        return StepResult(total_loss / max(images, 1), images, micro, time.perf_counter() - t0)
+
+    def _optimizer_step(self) -> None:
+        grads = []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                if param.grad is None:  # a rank with an empty shard contributes zeros
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+        self.grad_allreduce(grads)
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=10.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ema.update(self.model)
+
+    def end_epoch_if_done(self) -> bool:
+        """If the epoch's samples are all trained, move to the next epoch. Returns True if it did."""
+        if not self.sampler.epoch_done():
+            return False
+        self.sampler.next_epoch()
+        self.progress.epoch = self.sampler.state.epoch
+        self.progress.consumed = 0
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return self.progress.epoch >= self.spec.epochs
+
+    def sync_sampler_from_progress(self) -> None:
+        """After a rollback/restore the progress record is the truth."""
+        self.sampler.load_state_dict({"epoch": self.progress.epoch, "consumed": self.progress.consumed})
+
+    # ---- validation ------------------------------------------------------------------------
+    def validate(self, model: nn.Module | None = None) -> dict[str, float]:
+        """mAP50 and mAP50-95 of the EMA model on the val split, driven batch by batch (the
+        validator's own DDP gather path expects CUDA collectives; we validate on one rank)."""
+        from ultralytics.models.yolo.detect import DetectionValidator
+
+        model = model or self.ema.ema
+        args = get_cfg(overrides=dict(self.hyp.__dict__, mode="val", plots=False, save_json=False, half=False))
+        validator = DetectionValidator(save_dir=self.work_dir / "val", args=args)
+        validator.device = self.device
+        validator.data = self.data
+        validator.training = False
+        validator.stride = self.stride
+        validator.names = self.data["names"]
+        if self._val_loader is None:
+            self._val_loader = validator.get_dataloader(self.data["val"], self.spec.batch * 2)
+        validator.dataloader = self._val_loader
+        was_training = model.training
+        model.eval()
+        validator.init_metrics(model)
+        with torch.inference_mode():
+            for batch in self._val_loader:
+                batch = validator.preprocess(batch)
+                batch["img"] = batch["img"].float()
+                preds = model(batch["img"])
+                validator.update_metrics(validator.postprocess(preds), batch)
+        stats = validator.get_stats()
+        model.train(was_training)
+        return {
+            "mAP50": float(stats.get("metrics/mAP50(B)", 0.0)),
+            "mAP50-95": float(stats.get("metrics/mAP50-95(B)", 0.0)),
+            "precision": float(stats.get("metrics/precision(B)", 0.0)),
+            "recall": float(stats.get("metrics/recall(B)", 0.0)),
+        }
+
+
+def quiet_ultralytics() -> None:
+    import logging
+
+    LOGGER.setLevel(logging.WARNING)

@@ -1,0 +1,130 @@
+"""The training loop shared by every engine: steps, epoch ends, validation, commits, reporting.
+
+Engines differ only in what a commit is (Horovod: `state.commit()`; single process: nothing) and
+in how rank/world are obtained; they pass those in as hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from elasticyolo.train.core import StepResult, TrainCore
+
+ProgressSink = Callable[[dict[str, Any]], None]
+
+
+class Hooks(Protocol):
+    def commit(self) -> None: ...
+
+    def commit_every(self, core: TrainCore) -> int: ...
+
+
+class NoCommit:
+    def commit(self) -> None:
+        return None
+
+    def commit_every(self, core: TrainCore) -> int:
+        return 0
+
+
+class TraceWriter:
+    """Append-only JSONL record of what each rank trained (indices per step, commits, resets).
+    Tests and benchmarks read it to prove exactly-once sample coverage and to time recovery.
+    Enabled by `ELASTICYOLO_TRACE_DIR`."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        directory = directory or os.environ.get("ELASTICYOLO_TRACE_DIR")
+        self._fh = None
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self._fh = open(Path(directory) / f"trace-{os.getpid()}.jsonl", "a", buffering=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self._fh is not None
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({"ev": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+
+@dataclass
+class Summary:
+    epochs: int
+    steps: int
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    images: int = 0
+
+
+class TrainingLoop:
+    def __init__(
+        self,
+        core: TrainCore,
+        *,
+        hooks: Hooks | None = None,
+        sinks: list[ProgressSink] | None = None,
+        trace: TraceWriter | None = None,
+        validate_every_epoch: bool = True,
+    ) -> None:
+        self.core = core
+        self.hooks = hooks or NoCommit()
+        self.sinks = sinks or []
+        self.trace = trace or TraceWriter()
+        self.validate_every_epoch = validate_every_epoch
+        self._images = 0
+        self._window: list[StepResult] = []
+        self.last_metrics: dict[str, float] = {}
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink(record)
+
+    def _throughput(self, result: StepResult) -> float:
+        """Global samples/s over the last few steps (this rank's rate times the world)."""
+        self._window = (self._window + [result])[-10:]
+        secs = sum(r.seconds for r in self._window)
+        imgs = sum(r.images for r in self._window)
+        return imgs * self.core.world / secs if secs > 0 else 0.0
+
+    def run(self) -> Summary:
+        core = self.core
+        t0 = time.perf_counter()
+        commit_every = max(self.hooks.commit_every(core), 0)
+        while not core.finished:
+            epoch, start = core.progress.epoch, core.sampler.state.consumed
+            trained: list[list[int]] = []
+            result = core.train_step(on_indices=trained.append if self.trace.enabled else None)
+            self._images += result.images
+            lr = core.optimizer.param_groups[0]["lr"]
+            self.trace.write(
+                "step", rank=core.rank, world=core.world, epoch=epoch, start=start, step=core.progress.step,
+                indices=[i for shard in trained for i in shard], lr=lr, lr_scale=core.progress.lr_scale,
+                accumulate=result.micro_batches, loss=result.loss,
+            )
+            epoch_ended = core.end_epoch_if_done()
+            if epoch_ended and core.rank == 0 and self.validate_every_epoch and core.spec.val:
+                self.last_metrics = core.validate()
+                core.progress.history.append({"epoch": epoch, **self.last_metrics})
+            self._emit({
+                "kind": "step", "epoch": core.progress.epoch, "epochs": core.spec.epochs, "step": core.progress.step,
+                "consumed": core.sampler.state.consumed, "num_samples": core.sampler.num_samples,
+                "world_size": core.world, "rank": core.rank, "loss": result.loss, "lr": lr,
+                "lr_scale": core.progress.lr_scale, "accumulate": result.micro_batches,
+                "samples_per_s": self._throughput(result), "epoch_ended": epoch_ended, **(
+                    {"metrics": self.last_metrics} if epoch_ended else {}),
+            })
+            if epoch_ended or (commit_every and core.progress.step % commit_every == 0) or core.finished:
+                self.hooks.commit()
+                self.trace.write("commit", rank=core.rank, step=core.progress.step, epoch=core.progress.epoch,
+                                 consumed=core.progress.consumed)
+                commit_every = max(self.hooks.commit_every(core), 0)
+        return Summary(
+            epochs=core.spec.epochs, steps=core.progress.step, seconds=time.perf_counter() - t0,
+            metrics=self.last_metrics, images=self._images,
+        )

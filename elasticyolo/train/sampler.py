@@ -1,0 +1,96 @@
+"""Elastic sampling: every index of an epoch is trained exactly once, whatever the world does.
+
+An epoch is a fixed permutation of the dataset (seed + epoch). Training consumes it as a prefix:
+the state is just `(epoch, consumed)`. Each global step takes the next `world * batch` positions
+and splits them into `world` contiguous shards (sizes differ by at most one), so:
+- rolling back to a commit restores `consumed`, and the positions after it are trained again
+  exactly once;
+- re-sharding to a new world size only changes how the remaining suffix is split.
+A shard can be empty on the very last step of an epoch when fewer samples than ranks remain;
+that rank contributes zero gradients to that step (see `TrainCore.null_step`).
+
+Pure Python (no torch) so the invariants are unit-testable.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+
+@dataclass
+class SamplerState:
+    epoch: int = 0
+    consumed: int = 0  # positions of this epoch's permutation already trained (committed or not)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class ElasticSampler:
+    def __init__(self, num_samples: int, batch: int, seed: int = 0, shuffle: bool = True) -> None:
+        if num_samples < 1:
+            raise ValueError("dataset is empty")
+        self.num_samples = num_samples
+        self.batch = batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.state = SamplerState()
+        self._perm_epoch: int | None = None
+        self._perm: list[int] = []
+
+    # ---- the epoch permutation -----------------------------------------------------------
+    def permutation(self, epoch: int) -> list[int]:
+        if self._perm_epoch != epoch:
+            perm = list(range(self.num_samples))
+            if self.shuffle:
+                random.Random(self.seed * 100_003 + epoch).shuffle(perm)
+            self._perm, self._perm_epoch = perm, epoch
+        return self._perm
+
+    # ---- stepping ------------------------------------------------------------------------
+    def remaining(self) -> int:
+        return self.num_samples - self.state.consumed
+
+    def steps_left(self, world: int) -> int:
+        per_step = world * self.batch
+        return -(-self.remaining() // per_step)
+
+    def step_span(self, world: int) -> int:
+        """How many positions the next global step consumes."""
+        return min(world * self.batch, self.remaining())
+
+    def shard(self, rank: int, world: int, start: int | None = None) -> list[int]:
+        """Dataset indices rank `rank` trains in the global step starting at position `start`
+        (default: the current `consumed`)."""
+        start = self.state.consumed if start is None else start
+        span = min(world * self.batch, self.num_samples - start)
+        base, extra = divmod(span, world)
+        lo = start + rank * base + min(rank, extra)
+        hi = lo + base + (1 if rank < extra else 0)
+        return self.permutation(self.state.epoch)[lo:hi]
+
+    def advance(self, world: int) -> None:
+        """Mark the current global step as trained."""
+        self.state.consumed += self.step_span(world)
+
+    def epoch_done(self) -> bool:
+        return self.state.consumed >= self.num_samples
+
+    def next_epoch(self) -> None:
+        self.state = SamplerState(epoch=self.state.epoch + 1, consumed=0)
+
+    def iter_shards(self, rank: int, world: int) -> Iterator[list[int]]:
+        """Shards for the rest of this epoch at a fixed world size (does not advance)."""
+        pos = self.state.consumed
+        while pos < self.num_samples:
+            yield self.shard(rank, world, pos)
+            pos += min(world * self.batch, self.num_samples - pos)
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        return self.state.as_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = SamplerState(epoch=int(state["epoch"]), consumed=int(state["consumed"]))
