@@ -22,6 +22,7 @@ from elasticyolo.agent.sd_notify import SystemdNotifier
 from elasticyolo.agent.state import NodeState, Observation, Transition, decide
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
+from elasticyolo.cluster.jobs import submit_spec
 from elasticyolo.cluster.keys import ACTIVE_JOB_STATES, JOB_SUBMITTED, JobKeys
 from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
 from elasticyolo.config import AgentConfig
@@ -50,16 +51,6 @@ def make_client(cfg: AgentConfig) -> EtcdClient:
     return EtcdClient(cfg.etcd, ca_cert=cfg.etcd_ca, cert_cert=cfg.etcd_cert, cert_key=cfg.etcd_key,
                       user=cfg.etcd_user, password=cfg.etcd_password, timeout=cfg.etcd_timeout,
                       retry_window=max(cfg.etcd_timeout, cfg.ttl / 2))
-
-
-def submit_spec(client: EtcdClient, keys: JobKeys, spec: TrainSpec, by: str, replace: bool = False) -> bool:
-    """Store spec + state=submitted in one txn. Without `replace` only when no spec is stored.
-    Returns False when a spec was already there (and not replaced)."""
-    state = json.dumps({"state": JOB_SUBMITTED, "at": time.time(), "by": by})
-    puts = [{"request_put": {"key": b64(keys.spec), "value": b64(spec.to_json())}},
-            {"request_put": {"key": b64(keys.state), "value": b64(state)}}]
-    compare = [] if replace else [{"key": b64(keys.spec), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
-    return bool(client.txn(compare, puts, [])["succeeded"])
 
 
 class Agent:

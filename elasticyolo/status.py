@@ -1,0 +1,198 @@
+"""`elasticyolo status`: one consistent read of a job's keys, shown as a kubectl-like table or JSON.
+
+Fast by construction: no torch, no pydantic, no structlog; one etcd txn reads every key of the
+job at a single revision, then the lease TTLs of the nodes are fetched in parallel.
+Renders whatever progress/checkpoint records are there (workers write them; see keys.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from elasticyolo.cluster.etcd import EtcdClient, b64, prefix_range_end
+from elasticyolo.cluster.keys import JobKeys
+
+_SINGLE_KEYS = ("leader", "spec", "state", "world", "progress", "checkpoint_latest")
+
+
+def _json(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"_invalid": raw[:200].decode("utf-8", "replace")}
+
+
+def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool = True) -> dict[str, Any]:
+    """The status of one job as a plain dict (this is what `status --json` prints)."""
+    single = [getattr(keys, name) for name in _SINGLE_KEYS]
+    ranges = [{"request_range": {"key": b64(k)}} for k in single]
+    ranges.append({"request_range": {"key": b64(keys.nodes), "range_end": b64(prefix_range_end(keys.nodes))}})
+    result = client.txn([], ranges, [])
+    responses = result.get("responses") or []
+    values: dict[str, tuple[Any, int] | None] = {}
+    for name, resp in zip(_SINGLE_KEYS, responses):
+        kvs = resp.get("response_range", {}).get("kvs") or []
+        values[name] = (_json(_unb64(kvs[0].get("value"))), int(kvs[0]["mod_revision"])) if kvs else None
+    node_kvs = (responses[len(_SINGLE_KEYS)].get("response_range", {}).get("kvs") or []) if len(responses) > len(_SINGLE_KEYS) else []
+
+    leader_v = values["leader"]
+    leader_id = leader_v[0].get("node_id") if leader_v and isinstance(leader_v[0], dict) else None
+    leader_term = leader_v[1] if leader_v else None
+    world = _dict(values["world"])
+    progress = _dict(values["progress"])
+    checkpoint = _dict(values["checkpoint_latest"])
+    spec = values["spec"][0] if values["spec"] else None
+    state_rec = _dict(values["state"])
+    job_state = state_rec.get("state") if state_rec else ("submitted" if spec is not None else "none")
+
+    now = time.time()
+    world_ranks: dict[str, list[int]] = world.get("ranks") or {} if isinstance(world.get("ranks"), dict) else {}
+    nodes: list[dict[str, Any]] = []
+    leases: list[int] = []
+    for kv in node_kvs:
+        rec = _dict((_json(_unb64(kv.get("value"))), 0))
+        node_id = str(rec.get("node_id") or _unb64(kv["key"]).decode()[len(keys.nodes):])
+        lease = int(kv.get("lease", 0) or 0)
+        leases.append(lease)
+        started = rec.get("started_at") or 0
+        nodes.append({
+            "id": node_id,
+            "state": rec.get("state", "?"),
+            "slots": rec.get("slots"),
+            "ranks": world_ranks.get(node_id, rec.get("ranks") or []),
+            "leader": node_id == leader_id,
+            "preemptible": rec.get("preemptible"),
+            "lease_ttl_s": None,
+            "age_s": round(now - started, 1) if started else None,
+            "notice": rec.get("notice"),
+            "price_per_hour": rec.get("price_per_hour"),
+            "host": rec.get("host"),
+            "addr": rec.get("addr"),
+            "instance_type": rec.get("instance_type"),
+            "zone": rec.get("zone"),
+            "agent_version": rec.get("agent_version"),
+        })
+    if lease_ttls and leases:
+        ttls = _lease_ttls(client, leases)
+        for node, lease in zip(nodes, leases):
+            node["lease_ttl_s"] = ttls.get(lease)
+
+    world_size = world.get("world_size", progress.get("world_size"))
+    return {
+        "job": keys.job,
+        "state": job_state,
+        "world_size": world_size,
+        "leader": leader_id,
+        "leader_term": leader_term,
+        "epoch": progress.get("epoch", world.get("epoch")),
+        "step": progress.get("step", world.get("step")),
+        "samples_s": progress.get("samples_s"),
+        "progress_at": progress.get("at"),
+        "last_checkpoint": checkpoint or world.get("last_checkpoint"),
+        "spec": spec,
+        "revision": int(result["header"]["revision"]),
+        "nodes": nodes,
+    }
+
+
+def _dict(v: tuple[Any, int] | None) -> dict[str, Any]:
+    return v[0] if v and isinstance(v[0], dict) else {}
+
+
+def _unb64(s: str | None) -> bytes:
+    import base64
+
+    return base64.b64decode(s) if s else b""
+
+
+def _lease_ttls(client: EtcdClient, leases: list[int]) -> dict[int, int]:
+    unique = sorted({lid for lid in leases if lid})
+    if not unique:
+        return {}
+
+    def one(lid: int) -> tuple[int, int]:
+        try:
+            return lid, client.lease_ttl(lid)
+        except Exception:  # noqa: BLE001 - a TTL we cannot read is shown as unknown
+            return lid, -1
+
+    if len(unique) <= 2:
+        return dict(one(lid) for lid in unique)
+    with ThreadPoolExecutor(max_workers=min(8, len(unique))) as pool:
+        return dict(pool.map(one, unique))
+
+
+# ---- rendering ------------------------------------------------------------------------------
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(max(0, seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def _fmt(v: Any) -> str:
+    if v is None or v == "" or v == []:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    if isinstance(v, list):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def _checkpoint_text(ck: Any) -> str:
+    if not ck:
+        return "-"
+    if not isinstance(ck, dict):
+        return str(ck)
+    parts = [str(ck.get("uri") or ck.get("path") or "?")]
+    if ck.get("epoch") is not None or ck.get("step") is not None:
+        parts.append(f"(epoch {_fmt(ck.get('epoch'))}, step {_fmt(ck.get('step'))}")
+        parts[-1] += f", {_ago(time.time() - ck['at'])} ago)" if isinstance(ck.get("at"), (int, float)) else ")"
+    return " ".join(parts)
+
+
+def _notice_text(n: Any) -> str:
+    if not n:
+        return "-"
+    if isinstance(n, dict):
+        return str(n.get("action") or n.get("kind") or "notice") + (f"@{n['time']}" if n.get("time") else "")
+    return str(n)
+
+
+def render_table(view: dict[str, Any]) -> str:
+    head = [
+        ("JOB", view["job"]), ("STATE", view["state"]), ("WORLD", _fmt(view["world_size"])),
+        ("EPOCH", _fmt(view["epoch"])), ("STEP", _fmt(view["step"])), ("SAMPLES/S", _fmt(view["samples_s"])),
+        ("LEADER", f"{view['leader']} (term {view['leader_term']})" if view["leader"] else "-"),
+    ]
+    lines = ["  ".join(f"{k} {v}" for k, v in head), f"CHECKPOINT {_checkpoint_text(view['last_checkpoint'])}", ""]
+    cols = ["NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE", "AGE", "NOTICE", "PRICE", "PREEMPTIBLE"]
+    rows = []
+    for n in view["nodes"]:
+        ttl = n["lease_ttl_s"]
+        rows.append([
+            n["id"], _fmt(n["state"]), _fmt(n["slots"]), _fmt(n["ranks"]), "*" if n["leader"] else "",
+            "-" if ttl is None else ("expired" if ttl < 0 else f"{ttl}s"), _ago(n["age_s"]),
+            _notice_text(n["notice"]), _fmt(n["price_per_hour"]),
+            "-" if n["preemptible"] is None else ("yes" if n["preemptible"] else "no"),
+        ])
+    if not rows:
+        lines.append("no nodes registered")
+        return "\n".join(lines)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines.append("   ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+    for r in rows:
+        lines.append("   ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    return "\n".join(lines)
