@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from elasticyolo.spot import Notice, make_watcher
+from elasticyolo.spot import Notice, NoticeWatcher, make_watcher
 from elasticyolo.spot.gcp import GcpSource
 from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 
@@ -87,6 +87,18 @@ def test_maintenance_migrate_is_at_risk_terminate_drains(md: MetadataServer) -> 
     md.announce("gcp", action="maintenance")
     [n] = src.poll_once()
     assert (n.kind, n.drain, n.raw) == ("maintenance", True, "TERMINATE_ON_HOST_MAINTENANCE")
+
+
+def test_repeated_maintenance_events_are_separate_notices(md: MetadataServer) -> None:
+    w = NoticeWatcher([GcpSource("maintenance-event", md.url, 1.0, 0.5)])
+    assert w.poll_once() == []
+    md.announce("gcp", action="MIGRATE_ON_HOST_MAINTENANCE")
+    assert len(w.poll_once()) == 1
+    md.clear("gcp")
+    assert w.poll_once() == []
+    md.announce("gcp", action="MIGRATE_ON_HOST_MAINTENANCE")
+    assert len(w.poll_once()) == 1
+    assert len(w.notices) == 2
 
 
 def test_5xx_and_timeouts_are_retried(md: MetadataServer) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -126,12 +125,13 @@ def test_errors_and_bad_callbacks_are_not_fatal() -> None:
 
     w = NoticeWatcher([Flaky()], max_backoff_s=0.05)
     w.start(cb)
+    threads = list(w._threads)
     try:
         assert [n.key for n in wait_len(got, 2)] == ["a", "b"]
         assert w.status()["sources"]["flaky"]["failures"] == 0
     finally:
         w.stop()
-    assert not any(t.name.startswith("spot-") and t.is_alive() for t in threading.enumerate())
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_notice_validation_and_dict() -> None:
@@ -139,3 +139,6 @@ def test_notice_validation_and_dict() -> None:
         Notice("aws", "explode", 0.0, key="x")
     d = Notice("aws", "terminate", 1.0, key="k").to_dict()
     assert d["kind"] == "terminate" and d["deadline"] == 1.0 and d["event_id"] is None
+    r = Notice("azure", "preempt", 2.0, key="azure:E", event_id="E", raw={"big": 1}).to_record()
+    assert (r["action"], r["time"], r["source"], r["event_id"]) == ("preempt", 2.0, "azure", "E")
+    assert "raw" not in r

@@ -46,10 +46,6 @@ class NoticeSource(abc.ABC):
         """Seconds to wait before the next poll, given how long this one took."""
         return self.poll_interval_s - elapsed
 
-    def forget(self, key: str) -> None:
-        """Let a notice with this key be delivered again (e.g. a maintenance event that cleared)."""
-        self._seen.discard(key)
-
     def acknowledge(self, notice: Notice) -> bool:
         """Tell the provider we are done with the notice (only Azure has this). True on success."""
         return True

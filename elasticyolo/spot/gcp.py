@@ -64,7 +64,7 @@ class GcpSource(HttpSource):
         now = time.time()
         if value != self._last_value:
             self.log.debug("metadata value", value=value)
-        previous, self._last_value = self._last_value, value
+        self._last_value = value
         if self.key == "preempted":
             if value == "TRUE":
                 return [Notice(provider="gcp", kind="preempt", deadline=now + GCP_NOTICE_S,
@@ -72,10 +72,9 @@ class GcpSource(HttpSource):
             return []
         # maintenance-event: NONE, MIGRATE_ON_HOST_MAINTENANCE, TERMINATE_ON_HOST_MAINTENANCE.
         if value in ("", "NONE"):
-            if previous not in (None, "", "NONE"):
-                self.forget(f"gcp:maintenance:{previous}")  # a later event is a new notice
             return []
+        # The etag makes each occurrence its own notice (MIGRATE, NONE, MIGRATE again = two).
         # A live migration only pauses the VM briefly: at risk, no drain. TERMINATE is a stop.
         return [Notice(provider="gcp", kind="maintenance", deadline=now + GCP_MAINTENANCE_NOTICE_S,
-                       key=f"gcp:maintenance:{value}", drain=value.startswith("TERMINATE"),
+                       key=f"gcp:maintenance:{value}:{self._etag}", drain=value.startswith("TERMINATE"),
                        raw=value, received_at=now)]

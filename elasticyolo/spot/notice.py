@@ -47,8 +47,17 @@ class Notice:
         return max(0.0, self.deadline - (time.time() if now is None else now))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (for etcd node records, status and the event log)."""
+        """Everything, raw payload included (for the event log)."""
         return asdict(self)
+
+    def to_record(self) -> dict[str, Any]:
+        """Compact form for the etcd node record's `notice` field ({"action", "time", "source"}
+        as NodeRecord documents, plus the rest without the raw payload)."""
+        return {
+            "action": self.kind, "time": self.deadline, "source": self.provider, "kind": self.kind,
+            "deadline": self.deadline, "drain": self.drain, "received_at": self.received_at,
+            "key": self.key, "event_id": self.event_id,
+        }
 
 
 def parse_iso8601(value: str) -> float | None:
