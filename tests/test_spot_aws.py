@@ -70,7 +70,7 @@ def test_no_notice_then_one_terminate_within_a_poll(md: MetadataServer) -> None:
         n = notices[0]
         assert (n.provider, n.kind, n.drain) == ("aws", "terminate", True)
         assert abs(n.deadline - expected_deadline) <= 1.5  # AWS times have 1 s resolution
-        assert got.times[0] - announced_at < POLL + 0.5
+        assert got.times[0] - announced_at < POLL + 1.0  # slack for a loaded 2-core box
         time.sleep(5 * POLL)  # the server keeps announcing: still delivered once
         assert len(got.notices) == 1
         assert w.notices == notices

@@ -57,7 +57,7 @@ def test_preempt_then_acknowledge(md: MetadataServer) -> None:
         t0 = time.monotonic()
         ev = md.announce("azure", action="Preempt", in_s=30)
         [n] = got.wait(1)
-        assert got.times[0] - t0 < POLL + 0.5
+        assert got.times[0] - t0 < POLL + 1.0  # slack for a loaded 2-core box
         assert (n.provider, n.kind, n.drain, n.event_id) == ("azure", "preempt", True, ev["EventId"])
         assert n.deadline == parse_rfc1123(ev["NotBefore"])
         assert abs(n.seconds_left() - 30) <= 1.5

@@ -55,7 +55,7 @@ def test_preempt_arrives_at_once_through_long_poll(md: MetadataServer) -> None:
         t0 = time.monotonic()
         md.announce("gcp", action="preempt")
         [n] = got.wait(1)
-        assert got.times[0] - t0 < 0.5
+        assert got.times[0] - t0 < 1.0  # well under the 2 s interval
         assert (n.provider, n.kind, n.drain) == ("gcp", "preempt", True)
         assert abs(n.seconds_left() - 30) < 1
         waits = [e for e in md.request_log if "wait_for_change=true" in e["path"] and "last_etag=" in e["path"]]
