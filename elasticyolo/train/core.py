@@ -237,18 +237,21 @@ class TrainCore:
         return batch
 
     # ---- one optimizer step ----------------------------------------------------------------
-    def train_step(self, on_indices: Callable[[list[int]], None] | None = None) -> StepResult:
+    def train_step(self, before_sync: Callable[[list[int], "StepResult"], None] | None = None) -> StepResult:
         """Run `accumulate` micro-batches (fewer at the end of an epoch), all-reduce the gradients,
-        clip, step, update EMA. Advances the sampler and `progress.step`."""
+        clip, step, update EMA. Advances the sampler and `progress.step`.
+
+        `before_sync(indices, partial_result)` runs after the local work and before the gradient
+        all-reduce: a step whose all-reduce completed anywhere has been reported by every rank."""
         t0 = time.perf_counter()
         self.model.train()
         self.begin_epoch()
         _, acc = self.apply_schedule()
         total_loss, images, micro = 0.0, 0, 0
+        step_indices: list[int] = []
         while micro < acc and not self.sampler.epoch_done():
             indices = self.sampler.shard(self.rank, self.world)
-            if on_indices is not None:
-                on_indices(indices)
+            step_indices.extend(indices)
             batch = self.load_batch(indices)
             if batch is not None:
                 batch = self.preprocess(batch)
@@ -262,6 +265,8 @@ class TrainCore:
                 images += len(indices)
             self.sampler.advance(self.world)
             micro += 1
+        if before_sync is not None:
+            before_sync(step_indices, StepResult(total_loss / max(images, 1), images, micro, time.perf_counter() - t0))
         self._optimizer_step()
         p = self.progress
         p.step += 1

@@ -98,15 +98,19 @@ class TrainingLoop:
         commit_every = max(self.hooks.commit_every(core), 0)
         while not core.finished:
             epoch, start = core.progress.epoch, core.sampler.state.consumed
-            trained: list[list[int]] = []
-            result = core.train_step(on_indices=trained.append if self.trace.enabled else None)
+
+            def trace_step(indices: list[int], partial: StepResult) -> None:
+                # Written before the all-reduce (see TrainCore.train_step), so a rank killed right
+                # after a step completed still has that step on record.
+                self.trace.write(
+                    "step", rank=core.rank, world=core.world, epoch=epoch, start=start,
+                    step=core.progress.step + 1, indices=indices, lr=core.optimizer.param_groups[0]["lr"],
+                    lr_scale=core.progress.lr_scale, accumulate=partial.micro_batches, loss=partial.loss,
+                )
+
+            result = core.train_step(before_sync=trace_step if self.trace.enabled else None)
             self._images += result.images
             lr = core.optimizer.param_groups[0]["lr"]
-            self.trace.write(
-                "step", rank=core.rank, world=core.world, epoch=epoch, start=start, step=core.progress.step,
-                indices=[i for shard in trained for i in shard], lr=lr, lr_scale=core.progress.lr_scale,
-                accumulate=result.micro_batches, loss=result.loss,
-            )
             epoch_ended = core.end_epoch_if_done()
             if epoch_ended and core.rank == 0 and self.validate_every_epoch and core.spec.val:
                 self.last_metrics = core.validate()
@@ -120,9 +124,11 @@ class TrainingLoop:
                     {"metrics": self.last_metrics} if epoch_ended else {}),
             })
             if epoch_ended or (commit_every and core.progress.step % commit_every == 0) or core.finished:
-                self.hooks.commit()
+                # Traced first: a Horovod commit saves locally, then may raise while checking
+                # for host updates; the saved state is what a rollback returns to.
                 self.trace.write("commit", rank=core.rank, step=core.progress.step, epoch=core.progress.epoch,
                                  consumed=core.progress.consumed)
+                self.hooks.commit()
                 commit_every = max(self.hooks.commit_every(core), 0)
         return Summary(
             epochs=core.spec.epochs, steps=core.progress.step, seconds=time.perf_counter() - t0,

@@ -1,0 +1,59 @@
+"""Read the workers' JSONL traces (see `elasticyolo.train.loop.TraceWriter`) for tests and benches."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def read_trace(directory: str | Path) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for f in Path(directory).glob("trace-*.jsonl"):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    pass  # a line cut short by SIGKILL
+    events.sort(key=lambda e: e["t"])
+    return events
+
+
+def final_step_records(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step records that make up the committed history: for each step number, the latest
+    execution (grouped by epoch, start position and world size), one record per rank."""
+    by_step: dict[int, dict[tuple[int, int, int], list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        if e["ev"] == "step":
+            by_step[e["step"]][(e["epoch"], e["start"], e["world"])].append(e)
+    out: list[dict[str, Any]] = []
+    for step in sorted(by_step):
+        groups = by_step[step]
+        latest = max(groups.values(), key=lambda recs: max(r["t"] for r in recs))
+        per_rank: dict[int, dict[str, Any]] = {}
+        for r in sorted(latest, key=lambda r: r["t"]):
+            per_rank[r["rank"]] = r
+        out.extend(per_rank.values())
+    return out
+
+
+def coverage_by_epoch(events: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """Sample indices trained per epoch, counting only committed (final) work."""
+    cov: dict[int, list[int]] = defaultdict(list)
+    for r in final_step_records(events):
+        cov[r["epoch"]].extend(r["indices"])
+    return dict(cov)
+
+
+def pids_by_rank(events: list[dict[str, Any]]) -> dict[int, int]:
+    """The live mapping rank -> worker pid, from the latest resume of each pid."""
+    latest: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["ev"] == "resume":
+            latest[e["pid"]] = e
+    out: dict[int, int] = {}
+    for pid, e in sorted(latest.items(), key=lambda kv: kv[1]["t"]):
+        out[e["rank"]] = pid
+    return out
