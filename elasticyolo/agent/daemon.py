@@ -321,12 +321,14 @@ class Agent:
         warned = False
         while True:
             try:
-                self.client.revision()
+                # short retry window: this loop does the waiting, and honours the deadline
+                self.client.call("/kv/range", {"key": b64("\0"), "count_only": True},
+                                 retry_window=min(1.0, self.cfg.startup_timeout_s))
                 return
             except UnavailableError as exc:
                 if time.monotonic() >= deadline or self._drain_reason is not None:
                     raise UnavailableError(f"{exc} (gave up after {self.cfg.startup_timeout_s:g}s)") from None
-                if not warned:
+                if not warned and time.monotonic() > deadline - self.cfg.startup_timeout_s + 5:
                     self.log.warning("waiting for etcd", error=str(exc), timeout_s=self.cfg.startup_timeout_s)
                     warned = True
                 self.notifier.status("waiting for etcd")

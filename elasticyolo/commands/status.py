@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from elasticyolo.status import collect, render_table
 
-    client, keys = client_from_args(args, retry_window=1.0)
+    client, keys = client_from_args(args)
     if not args.watch:
         view = collect(client, keys, lease_ttls=not args.no_lease_ttl)
         print(json.dumps(view, sort_keys=True) if args.json else render_table(view))
