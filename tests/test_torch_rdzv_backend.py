@@ -244,4 +244,26 @@ def test_stock_handler_hangs_on_scale_up(etcd_server, job_name: str) -> None:
     """Why EtcdRendezvousHandler exists: the stock handler makes the newcomer wait for
     MASTER_ADDR that nobody publishes in the new round (here it times out after read_timeout)."""
     _, second = _scale_up(etcd_server.endpoints, job_name, DynamicRendezvousHandler)
-    assert any(isinstance(r, Exception) for r in second), second
+    errors = [r for r in second if isinstance(r, Exception)]
+    assert len(errors) == 1 and "MASTER_ADDR" in str(errors[0]), second
+
+
+def test_expelled_node_is_told_to_rejoin(etcd_server, job_name: str) -> None:
+    """A node dropped from its round (late heartbeats) must not keep training alone."""
+    params = _params(etcd_server.endpoints, job_name)
+    backend = EtcdRendezvousBackend(etcd_server.endpoints, job_name)
+    backend.clear()
+    handlers = [create_handler(params) for _ in range(2)]
+    try:
+        assert all(not isinstance(r, Exception) for r in _rendezvous_all(handlers))
+        assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
+        raw, token = backend.get_state()  # type: ignore[misc]
+        state = pickle.loads(raw)
+        del state.participants[handlers[0]._this_node]  # what the sanitizer does to a "dead" node
+        assert backend.set_state(pickle.dumps(state), token)[2]  # type: ignore[index]
+        time.sleep(1.1)  # the state holder serves a 1 s cache
+        assert handlers[0].num_nodes_waiting() >= 1
+        assert handlers[1].num_nodes_waiting() == 0
+    finally:
+        for h in handlers:
+            h.shutdown()

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "torch_scripts"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # Short timeouts: a dead node leaves the rendezvous after keep_alive_interval * max_attempt.
-RDZV_CONF = "join_timeout=40,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=30"
+RDZV_CONF = "join_timeout=40,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,read_timeout=30"
 
 
 class Nodes:
@@ -37,7 +37,7 @@ class Nodes:
     def start(self, name: str, script: str) -> subprocess.Popen:  # type: ignore[type-arg]
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                "EY_OUT": str(self.tmp), "EY_LOG": str(self.log(name)), "EY_STOP": str(self.stop_file),
-               "EY_NODE": name, "PYTHONUNBUFFERED": "1"}
+               "EY_NODE": name, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}
         cmd = [TORCHRUN, "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoints}", f"--rdzv-id={self.run_id}",
                "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=10", "--monitor-interval=0.3",
                "--local-addr=127.0.0.1", f"--rdzv-conf={RDZV_CONF}", str(SCRIPTS / script)]

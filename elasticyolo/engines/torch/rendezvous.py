@@ -287,11 +287,32 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._shared_tcp_store_server = None
         info = super().next_rendezvous()
         round_ = self._state_holder.state.round
+        self._joined_round = round_
         log.info("rendezvous round complete", run_id=self._settings.run_id, round=round_,
                  rank=info.rank, world_size=info.world_size)
         if info.rank == 0 and round_ >= 2:
             self._forget_round(round_ - 2)
         return info
+
+    def num_nodes_waiting(self) -> int:
+        """Also > 0 when this node is no longer in the round it joined.
+
+        The stock handler never tells a running agent that it was dropped (its heartbeats were
+        late under load, so another node's sanitizer expelled it and maybe started a new round):
+        that agent would keep training in a world nobody else is in (split brain, seen with a
+        2 s heartbeat expiry on a busy 2-core box). The agent restarts its workers and rejoins
+        whenever this is > 0, which heals it.
+        """
+        waiting = super().num_nodes_waiting()
+        joined = getattr(self, "_joined_round", None)
+        state = self._state_holder.state  # just synced by super()
+        if joined is not None and not state.closed and (
+                state.round != joined or self._this_node not in state.participants):
+            log.warning("this node is no longer in its rendezvous round; rejoining",
+                        run_id=self._settings.run_id, joined_round=joined, round=state.round)
+            self._joined_round = None  # warn once; next_rendezvous sets it again
+            return max(waiting, 1)
+        return waiting
 
     def _forget_round(self, round_: int) -> None:
         store = self._store
