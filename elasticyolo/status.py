@@ -27,8 +27,14 @@ def _json(raw: bytes | None) -> Any:
         return {"_invalid": raw[:200].decode("utf-8", "replace")}
 
 
-def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool = True) -> dict[str, Any]:
-    """The status of one job as a plain dict (this is what `status --json` prints)."""
+# Lease TTLs cost one request per node (etcd has no batch TTL read); beyond this many nodes
+# `status` skips them unless asked (`--lease-ttl always`), keeping it fast on big clusters.
+AUTO_LEASE_TTL_MAX_NODES = 100
+
+
+def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -> dict[str, Any]:
+    """The status of one job as a plain dict (this is what `status --json` prints).
+    lease_ttls: True/False, or None for "only up to AUTO_LEASE_TTL_MAX_NODES nodes"."""
     single = [getattr(keys, name) for name in _SINGLE_KEYS]
     ranges = [{"request_range": {"key": b64(k)}} for k in single]
     ranges.append({"request_range": {"key": b64(keys.nodes), "range_end": b64(prefix_range_end(keys.nodes))}})
@@ -77,6 +83,8 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool = True) -> dict[
             "zone": rec.get("zone"),
             "agent_version": rec.get("agent_version"),
         })
+    if lease_ttls is None:
+        lease_ttls = len(leases) <= AUTO_LEASE_TTL_MAX_NODES
     if lease_ttls and leases:
         ttls = _lease_ttls(client, leases)
         for node, lease in zip(nodes, leases):

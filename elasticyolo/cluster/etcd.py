@@ -151,6 +151,14 @@ class EtcdClient:
         return Etcd3Client(host=host, port=port, protocol=protocol, timeout=self.timeout,
                            api_path=API_PATH, **self._tls_args)  # type: ignore[arg-type]
 
+    def tls_request_args(self) -> dict[str, Any]:
+        # Passed on every request: requests lets REQUESTS_CA_BUNDLE override a session's `verify`,
+        # which would reject etcd's private CA.
+        if not self._tls:
+            return {}
+        ca, cert, key = self._tls_args["ca_cert"], self._tls_args["cert_cert"], self._tls_args["cert_key"]
+        return {"verify": ca or True, "cert": (cert, key) if cert and key else None}
+
     def _authenticate(self, client: Etcd3Client) -> None:
         if self._user is None:
             return
@@ -169,7 +177,8 @@ class EtcdClient:
     def _post(self, client: Etcd3Client, path: str, payload: dict[str, Any], timeout: float | None) -> Any:
         # etcd3gw's Etcd3Client.post with a per-call timeout (keepalives must not hang a TTL long).
         try:
-            resp = client.session.post(client.get_url(path), json=payload, timeout=timeout or self.timeout)
+            resp = client.session.post(client.get_url(path), json=payload, timeout=timeout or self.timeout,
+                                       **self.tls_request_args())
         except requests.exceptions.Timeout as ex:
             raise gw_exc.ConnectionTimeoutError(str(ex)) from ex
         except requests.exceptions.ConnectionError as ex:
@@ -454,7 +463,7 @@ class _WatchStream:
             create["start_revision"] = str(self._next_revision)
         try:
             resp = session.post(url, json={"create_request": create}, stream=True,
-                                timeout=(self._client.timeout, None))
+                                timeout=(self._client.timeout, None), **self._client.tls_request_args())
             resp.raise_for_status()
         except requests.RequestException as exc:
             session.close()

@@ -15,7 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
     parser.add_argument("--interval", type=float, default=2.0, metavar="S", help="--watch refresh period (default 2)")
-    parser.add_argument("--no-lease-ttl", action="store_true", help="skip the per-node lease TTL lookups")
+    parser.add_argument("--lease-ttl", choices=["auto", "always", "never"], default="auto",
+                        help="per-node lease TTL lookups (one request each): auto = up to 100 nodes")
+
+
+_TTL_MODE = {"auto": None, "always": True, "never": False}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     client, keys = client_from_args(args)
     if not args.watch:
-        view = collect(client, keys, lease_ttls=not args.no_lease_ttl)
+        view = collect(client, keys, lease_ttls=_TTL_MODE[args.lease_ttl])
         print(json.dumps(view, sort_keys=True) if args.json else render_table(view))
         return 0
     from elasticyolo.errors import UnavailableError
@@ -31,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                view = collect(client, keys, lease_ttls=not args.no_lease_ttl)
+                view = collect(client, keys, lease_ttls=_TTL_MODE[args.lease_ttl])
                 out = json.dumps(view, sort_keys=True) if args.json else render_table(view)
             except UnavailableError as exc:
                 out = f"elasticyolo status: {exc}"
