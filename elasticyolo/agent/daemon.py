@@ -286,8 +286,8 @@ class Agent:
                 self.metrics.nodes.set(len(nodes_cache))
             return nodes_cache
 
-        # Only preemptible nodes need the node list (to defer to a non-preemptible one).
-        self.election.step(nodes() if self.cfg.preemptible else [])
+        # The node list is read lazily: only a preemptible node deciding whether to defer needs it.
+        self.election.step(nodes)
         now = self.election.is_leader
         self.metrics.leader.set(1 if now else 0)
         self.metrics.leader_term.set(self.election.term)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from elasticyolo.cluster.etcd import EtcdClient, LeaseNotFoundError, b64
 from elasticyolo.cluster.keys import JobKeys
@@ -74,21 +74,26 @@ class LeaderElection:
     def node_id(self) -> str:
         return self.reg.record.node_id
 
-    def step(self, nodes: list[NodeRecord]) -> bool:
-        """Reconcile with etcd: keep, lose, hand over or take leadership. Returns is_leader."""
+    def step(self, nodes: Sequence[NodeRecord] | Callable[[], Sequence[NodeRecord]]) -> bool:
+        """Reconcile with etcd: keep, lose, hand over or take leadership. Returns is_leader.
+
+        `nodes` (the registered nodes, or a function returning them) is consulted only by a
+        preemptible node that must decide whether to defer; a follower that sees a leader
+        never reads the node list, so big clusters do not pay O(nodes) per agent per tick."""
         if self.is_leader:
             self._check_still_leader(nodes)
-        if not self.is_leader and self.reg.lease_valid() and self._eligible(nodes):
-            self._campaign()
+        if not self.is_leader and self.reg.lease_valid():
+            self._campaign(nodes)
         return self.is_leader
 
-    def _eligible(self, nodes: list[NodeRecord]) -> bool:
+    def _eligible(self, nodes: Sequence[NodeRecord] | Callable[[], Sequence[NodeRecord]]) -> bool:
         if not self.reg.record.preemptible:
             return True
+        listed = nodes() if callable(nodes) else nodes
         # Prefer a stable home for the elastic driver: stay out while a non-preemptible node exists.
-        return not any(not n.preemptible and n.node_id != self.node_id for n in nodes)
+        return not any(not n.preemptible and n.node_id != self.node_id for n in listed)
 
-    def _check_still_leader(self, nodes: list[NodeRecord]) -> None:
+    def _check_still_leader(self, nodes: Sequence[NodeRecord] | Callable[[], Sequence[NodeRecord]]) -> None:
         if not self.reg.lease_valid():
             self._lost("lease may have expired")
             return
@@ -99,7 +104,7 @@ class LeaderElection:
         if self.handover and self.reg.record.preemptible and not self._eligible(nodes):
             self.resign("a non-preemptible node joined")
 
-    def _campaign(self) -> None:
+    def _campaign(self, nodes: Sequence[NodeRecord] | Callable[[], Sequence[NodeRecord]]) -> None:
         got = self.client.get(self.keys.leader)
         if got is not None:
             try:
@@ -112,6 +117,8 @@ class LeaderElection:
                 self.term = self.leader.term
                 self.reg.update(leader=True)
                 log.info("resumed leadership", node=self.node_id, term=self.term)
+            return
+        if not self._eligible(nodes):
             return
         rec = self.reg.record
         value = json.dumps({"node_id": rec.node_id, "addr": rec.addr, "host": rec.host,
