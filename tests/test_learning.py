@@ -1,0 +1,26 @@
+"""The generated data is learnable by a real YOLO model: mAP rises with training.
+
+Measured: mAP50 0 -> ~0.7 in 12 epochs (96 optimizer steps, ~35 s on 2 busy cores). Mosaic is off:
+at 128 px it shrinks objects below what a few dozen steps can learn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elasticyolo.data.synth import SynthSpec, write_dataset
+from elasticyolo.spec import TrainSpec
+from elasticyolo.train.core import TrainCore, quiet_ultralytics
+from elasticyolo.train.loop import TrainingLoop
+
+
+def test_map_rises_with_training(tmp_path: Path) -> None:
+    quiet_ultralytics()
+    data = write_dataset(tmp_path / "d", SynthSpec(train=64, val=16, imgsz=128, classes=3, seed=0))
+    spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=12", "imgsz=128", "batch=8",
+                                 "nbs=8", "close_mosaic=12", "warmup_epochs=1"])
+    core = TrainCore(spec, work_dir=tmp_path / "run")
+    before = core.validate()
+    TrainingLoop(core).run()
+    after = core.progress.history[-1]
+    assert after["mAP50"] > before["mAP50"] + 0.2, (before, core.progress.history)
+    assert after["mAP50-95"] > before["mAP50-95"]
