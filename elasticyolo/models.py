@@ -16,20 +16,22 @@ def check_model_name(name: str) -> str:
     if name.endswith((".yaml", ".yml")):
         return name
     if name.endswith(".pt"):
-        if os.path.isfile(name):
-            return name
         m = _WEIGHTS.match(os.path.basename(name))
-        if m:
+        if m and not os.path.isfile(name):
             raise ValueError(
                 f"{name!r} needs a weights download, which elasticyolo never does; "
                 f"use model={m.group(1).lower()}.yaml (train from scratch) or a local .pt path"
             )
-        raise ValueError(f"model file {name!r} does not exist")
+        return name  # a local checkpoint: it may live only on the nodes, checked where it loads
     raise ValueError(f"model {name!r} is neither a .yaml architecture nor a local .pt file")
 
 
 def require_model(name: str) -> str:
+    """Where the model is built: the name must be valid and a `.pt` must exist here."""
     try:
-        return check_model_name(name)
+        name = check_model_name(name)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if name.endswith(".pt") and not os.path.isfile(name):
+        raise UserError(f"model file {name!r} does not exist")
+    return name

@@ -19,8 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     spec = TrainSpec.from_pairs(args.options)
     from elasticyolo.data.yaml_check import load_data_yaml
+    from elasticyolo.models import require_model
 
     load_data_yaml(spec.data)  # fail fast with a clear line, before torch loads
+    require_model(spec.model)
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
     from elasticyolo.train.loop import TrainingLoop
     from elasticyolo.train.report import JsonLines, ProgressBar

@@ -24,8 +24,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         spec = TrainSpec.from_pairs(args.options)
     from elasticyolo.data.yaml_check import load_data_yaml
+    from elasticyolo.models import require_model
 
-    load_data_yaml(spec.data)
+    load_data_yaml(spec.data)  # fail fast with a clear line, before torch loads
+    require_model(spec.model)
     if spec.engine != "horovod":
         print(f"elasticyolo worker: error: engine={spec.engine} workers are started by torch elastic", file=sys.stderr)
         return 2
