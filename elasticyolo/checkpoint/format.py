@@ -20,9 +20,8 @@ import collections
 import copy
 import io
 import itertools
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -194,8 +193,7 @@ def load_checkpoint_bytes(data: bytes) -> dict[str, Any]:
     return load_checkpoint_file(io.BytesIO(data))
 
 
-@dataclass(frozen=True)
-class ResumePoint:
+class ResumePoint(NamedTuple):
     epoch: int  # epoch to continue in
     epoch_step: int  # steps of that epoch already done
     global_step: int  # optimizer steps done since the start of the job

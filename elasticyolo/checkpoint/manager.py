@@ -28,6 +28,7 @@ from elasticyolo.checkpoint.adaptive import YoungDaly
 from elasticyolo.checkpoint.layout import Manifest
 from elasticyolo.checkpoint.metrics import get_metrics
 from elasticyolo.checkpoint.stores import NotFound, PreconditionFailed, Store
+from elasticyolo.checkpoint.stores.retry import is_transient
 from elasticyolo.log import get_logger
 
 log = get_logger("elasticyolo.checkpoint")
@@ -70,7 +71,7 @@ class _Job:
     snapshot_s: float
     ckpt: Mapping[str, Any] | None
     name: str
-    queued: float = field(default_factory=time.monotonic)
+    taken_at: float = field(default_factory=time.time)  # wall clock, comparable with manifests
     spool: Any = None  # SpooledTemporaryFile once serialized (kept across retries)
     sha256: str = ""
     size: int = 0
@@ -96,6 +97,7 @@ class CheckpointManager:
         retry_max_s: float = 60.0,
         orphan_grace_s: float = 3600.0,
         spool_max_bytes: int = 512 * 1024 * 1024,
+        background_nice: int = 10,
         serializer: Serializer | None = None,
         registry: Any = None,
         clock: Callable[[], float] = time.monotonic,
@@ -111,6 +113,7 @@ class CheckpointManager:
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self.orphan_grace_s = orphan_grace_s
         self.spool_max_bytes = spool_max_bytes
+        self.background_nice = background_nice
         self._serialize = serializer or _torch_serialize
         self._clock = clock
         self._m = get_metrics(registry).for_job(self.job)
@@ -251,10 +254,11 @@ class CheckpointManager:
         _close_spool(job)
 
     def _loop(self) -> None:
-        try:  # Linux: per-thread nice, so pickling/hashing yields the CPU to training
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
+        if self.background_nice:
+            try:  # Linux: per-thread nice, so pickling/hashing yields the CPU to training
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.background_nice)
+            except (AttributeError, OSError):
+                pass
         while True:
             with self._cond:
                 while self._pending is None and not self._stopping:
@@ -283,8 +287,12 @@ class CheckpointManager:
                 self._m["upload_failures"].inc()
                 delay = min(self.retry_max_s, self.retry_initial_s * 2 ** min(job.attempts - 1, 16))
                 delay *= 0.5 + random.random() / 2
-                log.warning("checkpoint_upload_failed", job=self.job, step=job.step, attempt=job.attempts,
-                            retry_in_s=round(delay, 2), error=self.last_error)
+                # Permanent-looking errors (denied, no bucket) are still retried: roles and policies
+                # get fixed while training runs, but they are logged as errors.
+                permanent = not (is_transient(exc) or isinstance(exc, VerifyError))
+                (log.error if permanent else log.warning)(
+                    "checkpoint_upload_failed", job=self.job, step=job.step, attempt=job.attempts,
+                    retry_in_s=round(delay, 2), error=self.last_error, permanent=permanent)
                 with self._cond:
                     end = time.monotonic() + delay
                     while self._pending is None and not self._abort and time.monotonic() < end:
@@ -305,9 +313,10 @@ class CheckpointManager:
             assert job.ckpt is not None
             job.fields = _fields(job.ckpt)
             spool = tempfile.SpooledTemporaryFile(max_size=self.spool_max_bytes, prefix="elasticyolo-ckpt-")
-            self._serialize(job.ckpt, spool)
+            writer = _HashingWriter(spool)  # hash while writing: one pass over the bytes, not two
+            self._serialize(job.ckpt, writer)  # type: ignore[arg-type]
             spool.flush()
-            job.sha256, job.size = sha256_of(spool)
+            job.sha256, job.size = writer.sha.hexdigest(), writer.size
             job.spool, job.ckpt = spool, None  # drop the tensors: only the bytes are needed now
         key = layout.object_key(self.job, job.name)
         self.store.put_file(key, job.spool, job.size, metadata={"sha256": job.sha256, "step": str(job.step)})
@@ -330,7 +339,12 @@ class CheckpointManager:
                 raise VerifyError(f"{manifest.manifest_key} exists with another sha256") from None
             manifest = existing
         # Only now does "latest" move: the object is complete and verified, the manifest exists.
-        self.store.put_bytes(layout.latest_key(self.job), manifest.to_json(), content_type="application/json")
+        current = catalog.read_latest(self.store, self.job)
+        if current is not None and current.step > manifest.step and current.created > job.taken_at:
+            # Someone (a newer rank 0 after a resize) landed a newer checkpoint while we uploaded.
+            log.warning("checkpoint_latest_kept", job=self.job, step=manifest.step, latest_step=current.step)
+        else:
+            self.store.put_bytes(layout.latest_key(self.job), manifest.to_json(), content_type="application/json")
         return manifest
 
     def _verify(self, key: str, job: _Job) -> None:
@@ -339,8 +353,11 @@ class CheckpointManager:
             raise VerifyError(f"{key} is missing after upload")
         if info.size != job.size:
             raise VerifyError(f"{key} has {info.size} bytes, uploaded {job.size}")
-        if self.verify == "head" and info.metadata.get("sha256") == job.sha256:
-            return  # size + our sha256 metadata; S3 checked the bytes with its own upload checksum
+        if self.verify == "head":
+            if info.metadata.get("sha256") == job.sha256:
+                return  # size + our sha256 metadata; S3 checked the bytes with its own upload checksum
+            if not getattr(self.store, "supports_metadata", True):
+                return  # file://: written to a temp file, fsynced and renamed; the size is the check
         with tempfile.SpooledTemporaryFile(max_size=self.spool_max_bytes) as back:
             self.store.download(key, back)
             sha, size = sha256_of(back)
@@ -365,6 +382,24 @@ class CheckpointManager:
                           orphan_grace_s=self.orphan_grace_s)
         except (Exception, NotFound) as exc:  # noqa: BLE001 - retention is best effort
             log.warning("checkpoint_prune_failed", job=self.job, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+class _HashingWriter:
+    """The write side of a file that hashes and counts what passes through."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out, self.sha, self.size = out, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.out.write(data)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def tell(self) -> int:
+        return self.size
 
 
 def _close_spool(job: _Job) -> None:

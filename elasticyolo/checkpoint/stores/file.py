@@ -20,6 +20,8 @@ _CHUNK = 8 * 1024 * 1024
 
 
 class FileStore:
+    supports_metadata = False  # no object metadata: the manager verifies by size (atomic rename)
+
     def __init__(self, uri: str, root: str) -> None:
         self.uri = uri
         self.root = Path(root)

@@ -48,7 +48,7 @@ def retrying(attempts: int, max_delay_s: float, what: str) -> Retrying:
     return Retrying(
         retry=retry_if_exception(is_transient),
         stop=stop_after_attempt(max(1, attempts)) | stop_after_delay(max_delay_s),
-        wait=wait_exponential_jitter(initial=0.2, max=10.0),
+        wait=wait_exponential_jitter(multiplier=0.2, max=10.0, jitter=0.3),
         before_sleep=_before_sleep,
         reraise=True,
     )

@@ -30,6 +30,8 @@ def valid_bucket_name(name: str) -> bool:
 
 
 class S3Store:
+    supports_metadata = True
+
     def __init__(
         self,
         uri: str,
@@ -189,7 +191,7 @@ class S3Store:
 
         def _upload() -> None:
             fileobj.seek(0)
-            self.client.upload_fileobj(fileobj, self.bucket, self._key(key), ExtraArgs=extra, Config=cfg)
+            self.client.upload_fileobj(_NoClose(fileobj), self.bucket, self._key(key), ExtraArgs=extra, Config=cfg)
 
         self._call(f"upload {key}", _upload)
 
@@ -262,3 +264,33 @@ class S3Store:
         return f"S3Store({self.uri!r})"
 
 
+
+
+class _NoClose:
+    """botocore closes the request body when a connection drops; the caller's file must survive
+    for the retry, so boto only ever sees this view of it."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(n)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def closed(self) -> bool:
+        return False
