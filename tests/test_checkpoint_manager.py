@@ -371,3 +371,14 @@ def test_latest_never_moves_back_for_a_stale_writer(tmp_path: Path) -> None:
     with fast_manager(store, "job", start_step=20) as again:
         assert again.maybe_save(30, 0, lambda: fake_ckpt(30)) and again.wait(10)
     assert read_latest(store, "job").step == 30  # type: ignore[union-attr]
+
+
+def test_failed_snapshot_skips_one_checkpoint(tmp_path: Path) -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("CUDA out of memory (pinned)")
+
+    with fast_manager(open_store(f"file://{tmp_path}"), "job") as mgr:
+        assert not mgr.maybe_save(10, 0, broken)  # logged, training goes on
+        assert "out of memory" in (mgr.last_error or "")
+        assert not mgr.maybe_save(11, 0, lambda: fake_ckpt(11))  # not retried every step
+        assert mgr.maybe_save(20, 0, lambda: fake_ckpt(20)) and mgr.wait(10)

@@ -158,10 +158,15 @@ class CheckpointManager:
         if why is None:
             return False
         t0 = time.perf_counter()
-        ckpt = snapshot_fn()
+        self._last_step, self._last_time = max(step, self._last_step), self._clock()
+        try:
+            ckpt = snapshot_fn()
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot skips one checkpoint, not the run
+            self.last_error = f"snapshot: {type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+            log.error("checkpoint_snapshot_failed", job=self.job, step=step, error=self.last_error, exc_info=True)
+            return False
         snapshot_s = time.perf_counter() - t0
         self._m["snapshot_seconds"].observe(snapshot_s)
-        self._last_step, self._last_time = max(step, self._last_step), self._clock()
         self._submit(_Job(step, epoch, reason or why, snapshot_s, ckpt, layout.new_name(step)))
         return True
 
