@@ -50,4 +50,6 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_agent_config(args.config, {name: getattr(args, name) for name in _FLAG_FIELDS})
     log.configure(cfg.log_level)
-    return Agent(cfg).run()
+    from elasticyolo.engines.torch.agent_hook import TorchEngineHook  # torch-free; acts on engine=torch jobs
+
+    return Agent(cfg, hooks=[TorchEngineHook(cfg)]).run()

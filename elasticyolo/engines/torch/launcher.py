@@ -1,0 +1,108 @@
+"""One node's torch elastic agent: `LocalElasticAgent` (through torch's launcher API) on the etcd3
+rendezvous, running `elasticyolo.engines.torch.worker` in `nproc_per_node` workers.
+
+Started by the elasticyolo agent's torch hook as
+`python -m elasticyolo.engines.torch.lifeline elasticyolo.engines.torch.launcher` with its
+configuration in `$ELASTICYOLO_TORCH_LAUNCH` (JSON; see `LaunchSettings`). It runs on this
+process's main thread, so torch's SIGTERM handling works: SIGTERM stops the workers and leaves
+the rendezvous open for the other nodes (torch closes it only when the job ends).
+
+Exit codes: 0 the job finished; 3 the rendezvous was already closed (finished elsewhere);
+143 stopped by SIGTERM; 1 anything else (the hook retries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+EXIT_CLOSED = 3
+EXIT_SIGTERM = 143
+
+
+@dataclass
+class LaunchSettings:
+    run_id: str
+    endpoints: str  # etcd endpoints, comma-separated
+    key_prefix: str
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    local_addr: str
+    max_restarts: int = 1000
+    monitor_interval: float = 1.0
+    rdzv_conf: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "LaunchSettings":
+        return cls(**json.loads(text))
+
+
+def worker_command() -> list[str]:
+    """The worker as a module run through `lifeline` (dies when this agent dies)."""
+    return ["-m", "elasticyolo.engines.torch.lifeline", "elasticyolo.engines.torch.worker"]
+
+
+def _register_etcd3() -> None:
+    # The `torchrun.handlers` entry point registers it when elasticyolo is installed; registering
+    # here too makes a source checkout work the same.
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    from elasticyolo.engines.torch.rdzv_plugin import create_handler
+
+    if "etcd3" not in getattr(registry, "_registry", {}):
+        try:
+            registry.register("etcd3", create_handler())
+        except ValueError:
+            pass  # already registered
+
+
+def run(settings: LaunchSettings) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    def on_term(signum: int, _frame: object) -> None:
+        # torch installs the same handler once workers run; this covers the first rendezvous.
+        raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+    signal.signal(signal.SIGTERM, on_term)
+    _register_etcd3()
+    conf = {"join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 5, "keep_alive_max_attempt": 3,
+            "key_prefix": settings.key_prefix, **settings.rdzv_conf}
+    config = LaunchConfig(
+        min_nodes=settings.min_nodes, max_nodes=settings.max_nodes, nproc_per_node=settings.nproc_per_node,
+        run_id=settings.run_id, rdzv_backend="etcd3", rdzv_endpoint=settings.endpoints, rdzv_configs=conf,
+        max_restarts=settings.max_restarts, monitor_interval=settings.monitor_interval,
+        local_addr=settings.local_addr, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)(*worker_command())
+    except SignalException:
+        return EXIT_SIGTERM
+    except RendezvousClosedError:
+        return EXIT_CLOSED
+    except ChildFailedError as exc:
+        print(f"elasticyolo torch launcher: workers failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def main() -> None:
+    from elasticyolo import log
+
+    log.configure()
+    settings = LaunchSettings.from_json(os.environ["ELASTICYOLO_TORCH_LAUNCH"])
+    sys.exit(run(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Save and load a `TrainCore`'s full training state.
+
+Two shapes:
+* `core_state(core)` / `load_core_state(core, state)`: a lean dict of CPU tensors (model, EMA,
+  optimizer, AMP scaler, progress). Engines use it for fast node-local snapshots and to hand
+  state from one rank to the others; it is cheap because nothing is deep-copied as a module.
+* `build_core_checkpoint(core)` / `load_core_checkpoint(core, ckpt)`: the Ultralytics-compatible
+  checkpoint of `elasticyolo.checkpoint.format` (`YOLO(path)` loads it), with the progress
+  record in its `resume` section. `save_checkpoint_file(core, path)` writes one.
+
+Loading never changes the world size: callers call `core.set_world(world, rank)` afterwards, which
+applies the rescaling policy (and starts the LR ramp when the saved world differs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+if TYPE_CHECKING:
+    from elasticyolo.train.core import Progress, TrainCore
+
+STATE_FORMAT = 1
+
+
+def _cpu(obj: Any) -> Any:
+    """Deep copy of a state_dict tree with every tensor cloned onto the CPU."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
+    if isinstance(obj, dict):
+        return type(obj)((k, _cpu(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_cpu(v) for v in obj)
+    return obj
+
+
+def progress_dict(core: "TrainCore") -> dict[str, Any]:
+    return asdict(core.progress)
+
+
+def progress_from(data: Mapping[str, Any]) -> "Progress":
+    from elasticyolo.train.core import Progress
+
+    known = {f.name for f in fields(Progress)}
+    return Progress(**{k: v for k, v in data.items() if k in known})
+
+
+def core_state(core: "TrainCore") -> dict[str, Any]:
+    """Everything needed to continue exactly here, as CPU tensors and plain objects."""
+    with torch.no_grad():
+        return {
+            "format": STATE_FORMAT,
+            "model": _cpu(core.model.state_dict()),
+            "ema": _cpu(core.ema.ema.state_dict()),
+            "ema_updates": int(core.ema.updates),
+            "optimizer": _cpu(core.optimizer.state_dict()),
+            "scaler": core.scaler.state_dict() if core.scaler.is_enabled() else None,
+            "progress": progress_dict(core),
+        }
+
+
+def load_core_state(core: "TrainCore", state: Mapping[str, Any]) -> None:
+    """Load a `core_state` dict into a live core (tensors move to the core's device)."""
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"unknown training state format {state.get('format')!r}")
+    core.model.load_state_dict(state["model"])
+    core.ema.ema.load_state_dict(state["ema"])
+    core.ema.updates = int(state["ema_updates"])
+    core.optimizer.load_state_dict(state["optimizer"])
+    if state.get("scaler") and core.scaler.is_enabled():
+        core.scaler.load_state_dict(state["scaler"])
+    core.progress = progress_from(state["progress"])
+    core.sync_sampler_from_progress()
+
+
+def state_step(state: Mapping[str, Any]) -> int:
+    return int(state["progress"]["step"])
+
+
+# ---- node-local snapshot files --------------------------------------------------------------
+def write_state_file(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Atomic write (temp file + rename): a crash mid-write leaves the previous snapshot intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(dict(state), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_state_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The snapshot at `path`, or None when there is none or it is unreadable (a torn file)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a corrupt local snapshot only means "fall back"
+        return None
+    return state if isinstance(state, dict) and state.get("format") == STATE_FORMAT else None
+
+
+# ---- Ultralytics-compatible checkpoints ------------------------------------------------------
+def _position(core: "TrainCore") -> tuple[int, int, bool]:
+    """(epoch, steps done in it, epoch_end) for the checkpoint format. Right after an epoch ended
+    the progress points at (next epoch, 0): record that as the end of the previous epoch."""
+    p = core.progress
+    if p.consumed == 0 and p.epoch > 0:
+        return p.epoch - 1, 0, True
+    per_step = max(core.world * core.spec.batch * max(core.scaling.accumulate, 1), 1)
+    return p.epoch, math.ceil(p.consumed / per_step), False
+
+
+def build_core_checkpoint(core: "TrainCore") -> dict[str, Any]:
+    from elasticyolo.checkpoint.format import build_checkpoint
+
+    epoch, epoch_step, epoch_end = _position(core)
+    metrics = core.progress.history[-1] if core.progress.history else {}
+    fitness = None
+    if metrics:
+        fitness = 0.1 * float(metrics.get("mAP50", 0.0)) + 0.9 * float(metrics.get("mAP50-95", 0.0))
+    return build_checkpoint(
+        core.model, core.ema, core.optimizer, epoch=epoch, global_step=core.progress.step, epoch_step=epoch_step,
+        epoch_end=epoch_end, train_args=core.hyp, world_size=core.world, policy=core.spec.policy,
+        scaler=core.scaler if core.scaler.is_enabled() else None, resume={"progress": progress_dict(core)},
+        best_fitness=fitness, train_metrics=metrics,
+    )
+
+
+def load_core_checkpoint(core: "TrainCore", ckpt: Mapping[str, Any]) -> None:
+    """Load an elasticyolo checkpoint (see `build_core_checkpoint`) into a live core."""
+    from elasticyolo.checkpoint.format import apply_checkpoint, resume_fields
+
+    apply_checkpoint(ckpt, core.model, core.ema, core.optimizer,
+                     scaler=core.scaler if core.scaler.is_enabled() else None)
+    resume = resume_fields(ckpt).get("resume") or {}
+    if "progress" in resume:
+        core.progress = progress_from(resume["progress"])
+    else:  # written by another tool: rebuild the position from the format's fields
+        from elasticyolo.checkpoint.format import resume_point
+
+        rp = resume_point(ckpt)
+        core.progress.epoch, core.progress.step, core.progress.consumed = rp.epoch, rp.global_step, 0
+    core.sync_sampler_from_progress()
+
+
+def save_checkpoint_file(core: "TrainCore", path: str | os.PathLike[str]) -> None:
+    """Write `core` as a `.pt` that `ultralytics.YOLO(path)` loads (and elasticyolo resumes)."""
+    from elasticyolo.checkpoint.format import serialize
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        serialize(build_core_checkpoint(core), fh)
+    os.replace(tmp, path)
