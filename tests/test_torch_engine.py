@@ -1,0 +1,213 @@
+"""engine=torch end to end: real `elasticyolo agent` processes (each one node with one slot) run
+torch's LocalElasticAgent on the etcd3 rendezvous; the workers train a real YOLO model on
+generated data. Scenarios: SIGKILL one of two agents mid-epoch, a third node joins, the job runs
+to the end with a checkpoint store and a resubmission resumes from the store, an etcd member dies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+pytest.importorskip("torch")
+
+from elasticyolo.agent.testing import AgentProcess, wait_for  # noqa: E402
+from elasticyolo.cluster.etcd import EtcdClient  # noqa: E402
+from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
+from elasticyolo.cluster.keys import JobKeys  # noqa: E402
+from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
+from elasticyolo.spec import TrainSpec  # noqa: E402
+from elasticyolo.testing.trace import read_trace  # noqa: E402
+
+N_TRAIN = 32
+# Short rendezvous timeouts: a dead node leaves after keep_alive_interval * max_attempt seconds.
+RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,read_timeout=60"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("data"), SynthSpec(train=N_TRAIN, val=8, imgsz=64, classes=2))
+
+
+def spec_pairs(data: Path, epochs: int, **extra: Any) -> list[str]:
+    # batch 4, nbs 8 -> accumulate 2 at world 1, 1 at world 2+ (linear policy); val off for speed.
+    pairs = {"model": "yolov8n.yaml", "data": str(data), "epochs": epochs, "imgsz": 64, "batch": 4, "nbs": 8,
+             "warmup_epochs": 0, "close_mosaic": 0, "val": "false", "engine": "torch", "commit_every": 2,
+             "resize_warmup_steps": 3, "amp": "false", "gloo_timeout_s": 30, **extra}
+    return [f"{k}={v}" for k, v in pairs.items()]
+
+
+class TorchJob:
+    """Agents of one job, the job's etcd records and the workers' traces."""
+
+    def __init__(self, tmp: Path, endpoints: str, job: str, ttl: int = 2) -> None:
+        self.tmp, self.endpoints, self.job, self.ttl = tmp, endpoints, job, ttl
+        self.client = EtcdClient(endpoints, retry_window=10)
+        self.keys = JobKeys(job)
+        self.trace_dir = tmp / "trace"
+        self.agents: dict[str, AgentProcess] = {}
+        self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_SNAPSHOT_DIR": str(tmp / "snap"),
+                    "ELASTICYOLO_TORCH_RDZV_CONF": RDZV_CONF, "ELASTICYOLO_TORCH_MONITOR_INTERVAL": "0.3",
+                    "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+
+    def submit(self, pairs: list[str], replace: bool = False) -> None:
+        assert submit_spec(self.client, self.keys, TrainSpec.from_pairs(pairs), by="test", replace=replace)
+
+    def start(self, node: str) -> AgentProcess:
+        agent = AgentProcess(self.endpoints, self.job, node, ttl=self.ttl, log_dir=self.tmp, env=self.env).start()
+        self.agents[node] = agent
+        return agent
+
+    def state(self) -> str | None:
+        got = self.client.get(self.keys.state)
+        return json.loads(got[0])["state"] if got else None
+
+    def cancel(self) -> None:
+        got = self.client.get(self.keys.state)
+        assert got is not None
+        ok, _ = self.client.compare_and_swap(self.keys.state, json.dumps({"state": "cancelled", "at": time.time()}),
+                                             got[1])
+        assert ok
+
+    def events(self, ev: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        out = read_trace(self.trace_dir) if self.trace_dir.exists() else []
+        return [e for e in out if (ev is None or e["ev"] == ev) and all(e.get(k) == v for k, v in match.items())]
+
+    def steps_after(self, t: float, world: int) -> list[dict[str, Any]]:
+        return [e for e in self.events("step", world=world) if e["t"] > t]
+
+    def worker_pids(self, node: str) -> set[int]:
+        return {e["pid"] for e in self.events("resume", node=node)}
+
+    def logs(self) -> str:
+        return "\n".join(f"--- agent {n}\n{a.log_path.read_text(errors='replace')[-5000:]}"
+                         for n, a in self.agents.items())
+
+    def wait(self, cond: Any, timeout: float, what: str) -> Any:
+        try:
+            return wait_for(cond, timeout, what, interval=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
+
+    def stop_all(self) -> None:
+        for a in self.agents.values():
+            a.stop(timeout=30)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def jobs(tmp_path: Path) -> Iterator[Any]:
+    made: list[TorchJob] = []
+
+    def make(endpoints: str, job: str, **kw: Any) -> TorchJob:
+        j = TorchJob(tmp_path, endpoints, job, **kw)
+        made.append(j)
+        return j
+
+    yield make
+    for j in made:
+        j.stop_all()
+        pids = {e["pid"] for e in j.events("resume")}
+        for pid in pids:  # never leave a worker behind, even when the test failed
+            if not gone(pid):
+                psutil.Process(pid).kill()
+        assert all(wait_for(lambda p=p: gone(p), 10, f"worker {p} gone") for p in pids)
+
+
+def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, dataset, jobs) -> None:
+    job = jobs(etcd_server.endpoints, job_name)
+    job.submit(spec_pairs(dataset, epochs=200))
+    job.start("a")
+    b = job.start("b")
+    job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 120,
+             "both ranks past step 4 at world 2")
+    first = job.events("resume")
+    assert len(first) == 2 and first[0]["params_digest"] == first[1]["params_digest"], first
+
+    # SIGKILL B's agent mid-epoch: its worker dies with it; A re-rendezvouses alone.
+    b_workers = job.worker_pids("b")
+    a_worker = max(job.worker_pids("a"))
+    t_kill = time.time()
+    b.kill()
+    job.wait(lambda: all(gone(p) for p in b_workers), 10, "B's worker killed with its agent")
+    step1 = job.wait(lambda: job.steps_after(t_kill, 1), 90, "a step at world 1")[0]
+    kill_to_step = step1["t"] - t_kill
+    last_commit = max(e["step"] for e in job.events("commit", pid=a_worker))
+    resume_a = [e for e in job.events("resume", node="a") if e["t"] > t_kill][0]
+    assert (resume_a["world"], resume_a["source"]) == (1, "local"), resume_a
+    assert resume_a["step"] == last_commit, (resume_a, last_commit)  # the newest state, not older
+    assert step1["step"] == last_commit + 1
+
+    # A third node joins: the world grows to 2; C gets A's state (it has no snapshot of its own).
+    t_join = time.time()
+    job.start("c")
+    job.wait(lambda: {e["rank"] for e in job.steps_after(t_join, 2)} == {0, 1}, 120, "world 2 with C")
+    join_to_step = min(e["t"] for e in job.steps_after(t_join, 2)) - t_join
+    resumed = [e for e in job.events("resume") if e["t"] > t_join]
+    by_node = {e["node"]: e for e in resumed}
+    assert set(by_node) == {"a", "c"}, resumed
+    assert by_node["c"]["source"] == "peer" and by_node["a"]["source"] == "local", resumed
+    assert by_node["a"]["step"] == by_node["c"]["step"] >= resume_a["step"]
+    assert by_node["a"]["params_digest"] == by_node["c"]["params_digest"]
+    job.wait(lambda: max(e["step"] for e in job.steps_after(t_join, 2)) >= by_node["c"]["step"] + 3, 60,
+             "training continues at world 2")
+
+    # Cancel: both agents stop their torch agents and every worker exits.
+    workers = {e["pid"] for e in job.events("resume")}
+    job.cancel()
+    job.wait(lambda: all(gone(p) for p in workers), 60, "all workers stopped after cancel")
+    print(f"\nTIMING torch engine kill_to_next_step={kill_to_step:.2f}s join_to_next_step={join_to_step:.2f}s")
+
+
+def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, job_name, dataset, jobs,
+                                                                 tmp_path: Path) -> None:
+    from elasticyolo.checkpoint import list_manifests, open_store
+
+    store_uri = f"file://{tmp_path / 'ckpt'}"
+    job = jobs(etcd_server.endpoints, job_name)
+    job.submit(spec_pairs(dataset, epochs=2, checkpoint=store_uri))
+    job.start("a")
+    job.wait(lambda: job.state() == "done", 150, "job done")
+    final = max(e["step"] for e in job.events("done"))
+    manifests = list_manifests(open_store(store_uri), job_name)
+    assert manifests and manifests[-1].step == final
+
+    # A new submission of the same job (one more epoch) gets a new rendezvous and a new local
+    # snapshot directory: the newest state is the store's.
+    t_resubmit = time.time()
+    job.submit(spec_pairs(dataset, epochs=3, checkpoint=store_uri), replace=True)
+    job.wait(lambda: job.state() == "done" and job.events("done") and max(
+        e["t"] for e in job.events("done")) > t_resubmit, 150, "resubmitted job done")
+    resume = [e for e in job.events("resume") if e["t"] > t_resubmit][0]
+    assert (resume["source"], resume["step"], resume["epoch"], resume["consumed"]) == ("store", final, 2, 0), resume
+    assert all(e["epoch"] == 2 for e in job.events("step") if e["t"] > t_resubmit)
+
+
+def test_etcd_member_sigkilled_mid_training(etcd_cluster3, job_name, dataset, jobs) -> None:
+    job = jobs(etcd_cluster3.endpoints, job_name, ttl=5)
+    job.submit(spec_pairs(dataset, epochs=200))
+    job.start("a")
+    job.start("b")
+    job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 3} == {0, 1}, 120,
+             "world 2 training")
+    resumes = len(job.events("resume"))
+    t_kill = time.time()
+    etcd_cluster3.kill_member(etcd_cluster3.members[0])  # listed first: everyone talks to it
+    time.sleep(6)
+    late = [e for e in job.steps_after(t_kill + 4, 2)]
+    assert {e["rank"] for e in late} == {0, 1}, "training stopped after the etcd member died"
+    assert len(job.events("resume")) == resumes, "the world restarted"
+    workers = {e["pid"] for e in job.events("resume")}
+    job.cancel()
+    job.wait(lambda: all(gone(p) for p in workers), 60, "workers stopped after cancel")
