@@ -52,4 +52,6 @@ def run(args: argparse.Namespace) -> int:
     log.configure(cfg.log_level)
     from elasticyolo.engines.torch.agent_hook import TorchEngineHook  # torch-free; acts on engine=torch jobs
 
-    return Agent(cfg, hooks=[TorchEngineHook(cfg)]).run()
+    from elasticyolo.engines.horovod.agent_hooks import HorovodEngineHooks  # torch-free; engine=horovod jobs
+
+    return Agent(cfg, hooks=[TorchEngineHook(cfg), HorovodEngineHooks()]).run()

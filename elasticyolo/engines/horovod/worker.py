@@ -19,6 +19,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
+from elasticyolo.engines.horovod.snapshot import LocalSnapshots, restore_newest, snapshot_dir
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics
@@ -66,14 +67,19 @@ def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 class HorovodHooks:
     """Commits through the elastic state; picks the commit interval (~1 s of work) on rank 0."""
 
-    def __init__(self, state: "AlwaysSyncTorchState", core: TrainCore, target_s: float = 1.0) -> None:
+    def __init__(self, state: "AlwaysSyncTorchState", core: TrainCore, target_s: float = 1.0,
+                 snapshots: LocalSnapshots | None = None) -> None:
         self.state, self.core, self.target_s = state, core, target_s
+        self.snapshots = snapshots
         self._fixed = core.spec.commit_every
         self._t_last = time.perf_counter()
         self._step_last = core.progress.step
 
     def commit(self) -> None:
         store_core_into_state(self.core, self.state)
+        if self.snapshots is not None:
+            # Before state.commit(): it saves, then may raise to reset; the core is the commit.
+            self.snapshots.maybe_save(self.core)
         self.state.commit()
 
     def commit_every(self, core: TrainCore) -> int:
@@ -102,7 +108,9 @@ def load_core_from_state(core: TrainCore, state: Any) -> None:
     core.sync_sampler_from_progress()
 
 
-def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None) -> Summary | None:
+def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
+               core: TrainCore | None = None) -> Summary | None:
+    """`core`: built before `hvd.init()` by a pre-warmed worker (prewarm.py), else built here."""
     quiet_ultralytics()
     hvd.init()
     compression = hvd.Compression.fp16 if spec.fp16_allreduce else hvd.Compression.none
@@ -114,7 +122,16 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None) -> Summ
         for g, r in zip(grads, reduced):
             g.copy_(r)
 
-    core = TrainCore(spec, rank=hvd.rank(), world=hvd.size(), local_rank=hvd.local_rank(), grad_allreduce=allreduce)
+    if core is None:
+        core = TrainCore(spec, rank=hvd.rank(), world=hvd.size(), local_rank=hvd.local_rank(), grad_allreduce=allreduce)
+    else:
+        core.grad_allreduce = allreduce
+        core.progress.world = 0  # built for world 1: the first set_world is not a resize
+        core.set_world(hvd.size(), hvd.rank())
+    snapshots = LocalSnapshots(snapshot_dir(), hvd.local_rank())
+    if os.environ.get("ELASTICYOLO_RESTORE") == "1":
+        # A freshly started world (e.g. after leader loss): resume from the newest snapshot.
+        restore_newest(core, snapshots)
     prime_optimizer_state(core.optimizer)
     trace = TraceWriter()
     # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
@@ -137,7 +154,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None) -> Summ
                     epoch=core.progress.epoch, consumed=core.progress.consumed, lr_scale=core.current_lr_scale(),
                     accumulate=core.scaling.accumulate, params_digest=params_digest(core.model))
         log.info("training", rank=core.rank, world=core.world, epoch=core.progress.epoch, step=core.progress.step)
-        loop = TrainingLoop(core, hooks=HorovodHooks(state, core), sinks=sinks if core.rank == 0 else [], trace=trace)
+        loop = TrainingLoop(core, hooks=HorovodHooks(state, core, snapshots=snapshots), sinks=sinks if core.rank == 0 else [], trace=trace)
         return loop.run()
 
     summary = train(state)

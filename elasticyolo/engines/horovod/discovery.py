@@ -1,0 +1,142 @@
+"""Host discovery for Horovod's `ElasticDriver`, read from etcd (no script, no SSH).
+
+`ClusterView` polls the job's `nodes/` and `exit/` prefixes in one etcd txn a few times a
+second from its own thread and keeps the last good answer; `EtcdHostDiscovery` answers
+Horovod from that cache. Horovod calls discovery once a second while holding its hosts
+condition and has no timeout of its own (a hanging discovery script stalled recovery for
+~27 s, DESIGN.md), so discovery never does I/O: it is bounded by construction, and when etcd
+is unreachable it keeps returning the last known hosts instead of an empty set (which would
+pause training).
+
+Host names are node ids: the leader starts workers through the node agents, so Horovod never
+resolves or SSHes to them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from horovod.runner.elastic.discovery import HostDiscovery
+
+from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64, prefix_range_end
+from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.errors import UnavailableError
+from elasticyolo.log import get_logger
+
+# Node states whose slots Horovod may use; DRAINING/JOINING/LEFT nodes are not offered.
+SERVING_STATES = ("IDLE", "TRAINING")
+
+
+def exits_prefix(keys: JobKeys) -> str:
+    return keys.prefix + "exit/"
+
+
+def slots_of(record: dict[str, Any], max_slots: int | None) -> int:
+    """Slots a node offers: its pre-warmed slots when it reports them, else its slot count."""
+    if record.get("state") not in SERVING_STATES:
+        return 0
+    ready = record.get("ready_slots")
+    slots = int(record.get("slots") or 0) if ready is None else int(ready)
+    return max(0, min(slots, max_slots) if max_slots else slots)
+
+
+@dataclass
+class Snapshot:
+    """One consistent read of the nodes and the worker exit reports."""
+
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    exits: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> report
+    revision: int = 0
+    at: float = 0.0  # monotonic time of the read
+
+
+class ClusterView:
+    """Polls etcd (every `period` s) in a daemon thread; waiters are woken after every read."""
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, period: float = 0.2) -> None:
+        self.client, self.keys, self.period = client, keys, period
+        self.log = get_logger("elasticyolo.discovery", job=keys.job)
+        self.snapshot = Snapshot()
+        self.cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cluster-view", daemon=True)
+        self._errors = 0
+
+    def start(self) -> "ClusterView":
+        self.refresh()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def refresh(self) -> bool:
+        ranges = []
+        for prefix in (self.keys.nodes, exits_prefix(self.keys)):
+            ranges.append({"request_range": {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix))}})
+        try:
+            result = self.client.txn([], ranges, [], )
+        except (UnavailableError, EtcdError) as exc:
+            self._errors += 1
+            if self._errors in (1, 10) or self._errors % 100 == 0:
+                self.log.warning("discovery cannot read etcd; keeping the last known hosts", error=str(exc))
+            return False
+        self._errors = 0
+        snap = Snapshot(revision=int(result["header"]["revision"]), at=time.monotonic())
+        responses = result.get("responses") or [{}, {}]
+        for i, target in enumerate((snap.nodes, snap.exits)):
+            for kv in responses[i].get("response_range", {}).get("kvs") or []:
+                key = _unb64(kv["key"]).decode()
+                try:
+                    target[key.rsplit("/", 1)[-1]] = json.loads(_unb64(kv.get("value")))
+                except ValueError:
+                    continue
+        with self.cond:
+            self.snapshot = snap
+            self.cond.notify_all()
+        return True
+
+    def wait(self, predicate: Callable[[Snapshot], Any], timeout: float) -> Any:
+        """Block until `predicate(snapshot)` is truthy (re-checked after every poll) or timeout."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                value = predicate(self.snapshot)
+                left = deadline - time.monotonic()
+                if value or left <= 0 or self._stop.is_set():
+                    return value
+                self.cond.wait(min(left, 1.0))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.refresh()
+
+
+class EtcdHostDiscovery(HostDiscovery):
+    """Live, non-draining nodes and their (ready) slots, from the `ClusterView` cache."""
+
+    def __init__(self, view: ClusterView, max_slots_per_node: int | None = None) -> None:
+        super().__init__()
+        self.view = view
+        self.max_slots = max_slots_per_node
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        # A fresh dict every call: Horovod keeps the previous one to diff against.
+        out: dict[str, int] = {}
+        for node_id, rec in sorted(self.view.snapshot.nodes.items()):
+            n = slots_of(rec, self.max_slots)
+            if n > 0:
+                out[node_id] = n
+        return out
+
+
+def _unb64(s: str | None) -> bytes:
+    import base64
+
+    return base64.b64decode(s) if s else b""

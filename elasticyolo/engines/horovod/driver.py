@@ -1,0 +1,279 @@
+"""The Horovod Elastic driver, run by the leader's agent: Horovod's own `ElasticDriver` and
+rendezvous server (the classes `horovodrun` and Horovod's Ray integration use), with etcd host
+discovery and a create-worker function that asks node agents, through etcd, to start workers.
+
+Wiring follows `horovod.runner.gloo_run.launch_gloo_elastic`; only two things differ:
+* no SSH: `create_worker` writes `launch/<node>/<local_rank>` (leased by the leader, fenced by
+  its term) and blocks until the node's agent reports the exit code under `exit/<request-id>`;
+* the rendezvous server listens on the leader's advertised address, not on every interface.
+
+The driver runs in its own thread (`DriverRunner`): the agent loop only starts and stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+from horovod.runner.elastic.driver import ElasticDriver
+from horovod.runner.elastic.rendezvous import create_rendezvous_handler
+from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+from horovod.runner.common.util.hosts import SlotInfo
+from horovod.runner.http.http_server import RendezvousHTTPServer, RendezvousServer
+from horovod.runner.util.threads import in_thread
+
+from elasticyolo.cluster.election import LeaderElection
+from elasticyolo.cluster.etcd import EtcdClient, EtcdError
+from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
+from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot, exits_prefix
+from elasticyolo.errors import UnavailableError
+from elasticyolo.log import get_logger
+from elasticyolo.spec import TrainSpec
+
+# How long a stopped worker gets to report its exit before the driver counts it as failed.
+STOP_REPORT_S = 5.0
+
+
+def launch_key(keys: JobKeys, node_id: str, local_rank: int) -> str:
+    return f"{keys.launch(node_id)}/{local_rank}"
+
+
+class BoundRendezvousServer(RendezvousServer):
+    """`RendezvousServer` listening on one address (Horovod's binds to all interfaces)."""
+
+    def __init__(self, addr: str, verbose: int = 0) -> None:
+        super().__init__(verbose)
+        self.addr = addr
+
+    def start(self, handler_cls: Any = None) -> int:  # type: ignore[override]
+        self._httpd = RendezvousHTTPServer((self.addr, 0), handler_cls, self._verbose)
+        self._listen_thread = in_thread(target=self._httpd.serve_forever)
+        return int(self._httpd.server_address[1])
+
+
+class DriverRunner:
+    """One Horovod elastic run of one job under one leadership term."""
+
+    def __init__(self, *, client: EtcdClient, keys: JobKeys, election: LeaderElection, spec: TrainSpec,
+                 addr: str, lease: Callable[[], int], node_id: str) -> None:
+        self.client, self.keys, self.election, self.spec = client, keys, election, spec
+        self.addr, self.lease, self.node_id = addr, lease, node_id
+        self.term = election.term
+        self.log = get_logger("elasticyolo.driver", job=keys.job, node=node_id, term=self.term)
+        self.view = ClusterView(client, keys)
+        self.driver: ElasticDriver | None = None
+        self.result: str | None = None  # JOB_DONE / JOB_FAILED once finished
+        self.error: str | None = None
+        self._stopping = threading.Event()
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._world_written: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"horovod-driver-{self.term}", daemon=True)
+
+    # ---- control (agent loop) -----------------------------------------------------------
+    def start(self) -> "DriverRunner":
+        self._thread.start()
+        return self
+
+    def stop(self, reason: str) -> None:
+        """Stop without deciding the job's outcome (lost leadership, cancel, agent exit)."""
+        if not self._stopping.is_set():
+            self.log.info("stopping driver", reason=reason)
+            self._stopping.set()
+            if self.driver is not None:
+                _stop_driver(self.driver, f"driver stopped: {reason}")
+            self.view.stop()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    # ---- the run ------------------------------------------------------------------------
+    def _run(self) -> None:
+        spec = self.spec
+        slots = spec.slots
+        min_np = spec.min_nodes * slots
+        max_np = (spec.max_nodes or 100_000) * slots
+        try:
+            self.view.start()
+            rendezvous = BoundRendezvousServer(self.addr)
+            driver = ElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots), min_np, max_np,
+                                   timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
+                                   cooldown_range=tuple(spec.cooldown_s))
+            self.driver = driver
+            if self._stopping.is_set():
+                driver.stop()
+                return
+            port = rendezvous.start(create_rendezvous_handler(driver))
+            self.log.info("driver started", rendezvous=f"{self.addr}:{port}", min_np=min_np, max_np=max_np)
+            self._set_state(JOB_RUNNING)
+            current = driver.wait_for_available_slots(min_np)
+            num_proc = min(max(current.count_available_slots(), min_np), max_np)
+            run_env = create_run_env_vars(self.addr, ["lo"], port, elastic=True)
+            # The node's launcher picks its own interface for these (nodes differ).
+            for k in ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME"):
+                run_env.pop(k, None)
+            run_env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(spec.gloo_timeout_s)
+            run_env["ELASTICYOLO_SPEC"] = spec.to_json()
+            watcher = threading.Thread(target=self._watch_world, name="world-writer", daemon=True)
+            watcher.start()
+            driver.start(num_proc, self._create_worker_fn({k: str(v) for k, v in run_env.items()}))
+            res = driver.get_results()
+            driver.stop()
+            if self._stopping.is_set():
+                return
+            failed = [n for n, (code, _) in res.worker_results.items() if code != 0]
+            if res.error_message is None and res.worker_results and not failed:
+                self.result = JOB_DONE
+            else:
+                self.result = JOB_FAILED
+                self.error = res.error_message or (f"workers failed: {failed}" if failed else "no worker finished")
+            self.log.info("driver finished", result=self.result, error=self.error,
+                          workers={k: v[0] for k, v in res.worker_results.items()})
+            self._set_state(self.result, self.error)
+        except Exception as exc:  # noqa: BLE001 - a driver failure fails the job, never the agent
+            if self._stopping.is_set():
+                return
+            self.result, self.error = JOB_FAILED, f"{type(exc).__name__}: {exc}"
+            self.log.error("driver failed", error=self.error)
+            self._set_state(JOB_FAILED, self.error)
+            if self.driver is not None:
+                _stop_driver(self.driver, self.error)
+        finally:
+            self.view.stop()
+            self._clear_launches()
+
+    def _clear_launches(self) -> None:
+        # Fenced: a deposed driver must not delete its successor's requests.
+        from elasticyolo.cluster.etcd import b64, prefix_range_end
+
+        prefix = self.keys.launch_prefix
+        try:
+            if self.election.is_leader and self.election.term == self.term:
+                self.client.txn([self.election.fenced_txn_compare()], [{"request_delete_range": {
+                    "key": b64(prefix), "range_end": b64(prefix_range_end(prefix))}}], [])
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not clear launch requests", error=str(exc))
+
+    def _set_state(self, state: str, reason: str | None = None) -> None:
+        rec = {"state": state, "at": time.time(), "by": f"driver {self.node_id} term {self.term}"}
+        if reason:
+            rec["reason"] = reason
+        for _ in range(5):
+            try:
+                if not self.election.fenced_put(self.keys.state, json.dumps(rec)):
+                    self.log.warning("not leader any more; job state not written", state=state)
+                return
+            except (UnavailableError, EtcdError) as exc:
+                self.log.warning("could not write job state; retrying", state=state, error=str(exc))
+                time.sleep(0.5)
+
+    def _watch_world(self) -> None:
+        """Publish the host assignment (`world`) whenever Horovod changes it, for `status`."""
+        while not self._stopping.is_set() and self.driver is not None and not self.driver.finished():
+            try:
+                assignments = {h: sorted(s.rank for s in slots) for h, slots in self.driver.host_assignments.items()}
+                if assignments and assignments != self._world_written:
+                    world = {"world_size": sum(len(r) for r in assignments.values()), "ranks": assignments,
+                             "term": self.term, "leader": self.node_id, "at": time.time()}
+                    if self.election.fenced_put(self.keys.world, json.dumps(world)):
+                        self._world_written = assignments
+            except (UnavailableError, EtcdError, RuntimeError) as exc:  # RuntimeError: dict changed size
+                self.log.debug("world not written", error=str(exc))
+            self._stopping.wait(0.25)
+
+    # ---- workers ------------------------------------------------------------------------
+    def _next_id(self, slot: SlotInfo) -> str:
+        with self._seq_lock:
+            self._seq += 1
+            return f"{self.term}-{self._seq}-{slot.hostname}-{slot.local_rank}"
+
+    def _create_worker_fn(self, run_env: dict[str, str]) -> Callable[[SlotInfo, list[threading.Event]], tuple[int, float]]:
+        def create_worker(slot: SlotInfo, events: list[threading.Event]) -> tuple[int, float]:
+            request_id = self._next_id(slot)
+            key = launch_key(self.keys, slot.hostname, slot.local_rank)
+            env = {**run_env, **create_slot_env_vars(slot)}
+            assert self.driver is not None
+            if self.driver._worker_registry.last_rendezvous() == 1:
+                # This driver's first world: its workers agree on the newest snapshot (snapshot.py).
+                # Read before the request is written, so no later reset can have happened yet.
+                env["ELASTICYOLO_RESTORE"] = "1"
+            request = {"action": "start", "id": request_id, "term": self.term, "env": env, "at": time.time()}
+            log = self.log.bind(slot=f"{slot.hostname}[{slot.local_rank}]", rank=slot.rank, request=request_id)
+            try:
+                if not self.election.fenced_put(key, json.dumps(request), lease=self.lease()):
+                    log.warning("not leader; worker not started")
+                    return 1, time.time()
+            except (UnavailableError, EtcdError) as exc:
+                log.warning("could not write launch request", error=str(exc))
+                return 1, time.time()
+            log.info("worker requested", size=slot.size)
+            try:
+                return self._await_exit(slot, request_id, key, events, log)
+            finally:
+                self._forget(request_id)
+
+        return create_worker
+
+    def _await_exit(self, slot: SlotInfo, request_id: str, key: str, events: list[threading.Event],
+                    log: Any) -> tuple[int, float]:
+        started = time.monotonic()
+
+        def outcome(snap: Snapshot) -> tuple[str, Any] | None:
+            report = snap.exits.get(request_id)
+            if report is not None:
+                return "exit", int(report.get("code", 1))
+            if any(e.is_set() for e in events):
+                return "stop", None
+            if slot.hostname not in snap.nodes and snap.at > started:
+                return "node-gone", None
+            return None
+
+        while True:
+            got = self.view.wait(outcome, timeout=1.0)
+            if got is None:
+                continue
+            what, code = got
+            if what == "exit":
+                log.info("worker exited", code=code)
+                return code, time.time()
+            if what == "node-gone":
+                log.warning("node left; counting its worker as failed")
+                return 1, time.time()
+            # Horovod stops this worker (job shutdown or its host was blacklisted): withdraw the
+            # request; the node's agent kills the worker and reports its exit.
+            self._withdraw(key, request_id)
+            got = self.view.wait(lambda s: s.exits.get(request_id) or (slot.hostname not in s.nodes),
+                                 timeout=STOP_REPORT_S)
+            code = int(got.get("code", 1)) if isinstance(got, dict) else 1
+            log.info("worker stopped", code=code)
+            return code, time.time()
+
+    def _withdraw(self, key: str, request_id: str) -> None:
+        try:
+            got = self.client.get(key)
+            if got is not None and json.loads(got[0]).get("id") == request_id:
+                self.client.delete_if_mod_revision(key, got[1])
+        except (UnavailableError, EtcdError, ValueError) as exc:
+            self.log.warning("could not withdraw launch request", key=key, error=str(exc))
+
+    def _forget(self, request_id: str) -> None:
+        try:
+            self.client.delete(exits_prefix(self.keys) + request_id)
+        except (UnavailableError, EtcdError):
+            pass  # leased by the node: goes with it
+
+
+def _stop_driver(driver: ElasticDriver, error: str | None) -> None:
+    try:
+        if not driver.finished():
+            driver.stop(error_message=error)
+    except Exception:  # noqa: BLE001 - stopping twice, or the rendezvous never started
+        pass
+    # `wait_for_available_slots` only re-checks shutdown when woken: wake it.
+    with driver._wait_hosts_cond:
+        driver._wait_hosts_cond.notify_all()

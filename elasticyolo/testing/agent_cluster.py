@@ -1,0 +1,113 @@
+"""A local elasticyolo cluster for tests, the demo and benchmarks: real `elasticyolo agent`
+processes (distinct node ids, all on 127.0.0.1) against a real etcd, training real workers.
+
+Worker traces (`ELASTICYOLO_TRACE_DIR`) are shared by all agents' workers so a scenario can
+find a rank's pid, prove exactly-once coverage and time recoveries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from elasticyolo.agent.testing import ELASTICYOLO, AgentProcess, leader_in_etcd, nodes_in_etcd, wait_for
+from elasticyolo.cluster.etcd import EtcdClient
+from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.testing.trace import pids_by_rank, read_trace
+
+
+class AgentCluster:
+    def __init__(self, endpoints: str, job: str, workdir: Path, *, ttl: int = 2, prewarm: bool = True,
+                 env: dict[str, str] | None = None) -> None:
+        self.endpoints, self.job, self.workdir, self.ttl = endpoints, job, workdir, ttl
+        self.keys = JobKeys(job)
+        self.client = EtcdClient(endpoints)
+        self.trace_dir = workdir / "trace"
+        self.agents: dict[str, AgentProcess] = {}
+        self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_WORK_DIR": str(workdir / "nodes"),
+                    "ELASTICYOLO_PREWARM": "1" if prewarm else "0", "GLOO_SOCKET_IFNAME": "lo",
+                    "HOROVOD_GLOO_IFACE": "lo", "MASTER_ADDR": "127.0.0.1", "ELASTICYOLO_LOG_FORMAT": "json",
+                    **(env or {})}
+
+    # ---- agents -------------------------------------------------------------------------
+    def start(self, node_id: str, *extra: str) -> AgentProcess:
+        a = AgentProcess(self.endpoints, self.job, node_id, ttl=self.ttl, log_dir=self.workdir, extra=list(extra),
+                         env=self.env).start()
+        self.agents[node_id] = a
+        return a
+
+    def kill(self, node_id: str) -> list[int]:
+        """SIGKILL an agent; returns the pids of its worker processes (which must die with it)."""
+        a = self.agents[node_id]
+        assert a.proc is not None
+        children = [p.pid for p in psutil.Process(a.proc.pid).children(recursive=True)]
+        a.kill()
+        return children
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            a.stop(timeout=15)
+        # Last resort for a broken run: no worker may outlive the cluster.
+        for pid in {e["pid"] for e in self.events()}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    # ---- etcd views ---------------------------------------------------------------------
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        return nodes_in_etcd(self.client, self.job)
+
+    def leader(self) -> str | None:
+        return leader_in_etcd(self.client, self.job)
+
+    def ready(self, node_ids: list[str]) -> bool:
+        nodes = self.nodes()
+        return all(n in nodes and nodes[n].get("state") in ("IDLE", "TRAINING") for n in node_ids)
+
+    def job_state(self) -> str | None:
+        got = self.client.get(self.keys.state)
+        return json.loads(got[0]).get("state") if got else None
+
+    def world(self) -> dict[str, Any]:
+        got = self.client.get(self.keys.world)
+        return json.loads(got[0]) if got else {}
+
+    def progress(self) -> dict[str, Any]:
+        got = self.client.get(self.keys.progress)
+        return json.loads(got[0]) if got else {}
+
+    def submit(self, *pairs: str) -> None:
+        r = subprocess.run([ELASTICYOLO, "submit", "--etcd", self.endpoints, "--job", self.job, *pairs],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise AssertionError(f"submit failed: {r.stderr}")
+
+    def status(self, as_json: bool = True) -> Any:
+        cmd = [ELASTICYOLO, "status", "--etcd", self.endpoints, "--job", self.job] + (["--json"] if as_json else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise AssertionError(f"status failed: {r.stderr}")
+        return json.loads(r.stdout) if as_json else r.stdout
+
+    # ---- worker traces ------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        return read_trace(self.trace_dir) if self.trace_dir.exists() else []
+
+    def steps(self, world: int | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["ev"] == "step" and (world is None or e["world"] == world)]
+
+    def pid_of_rank(self, rank: int) -> int:
+        return pids_by_rank(self.events())[rank]
+
+    def wait(self, condition: Any, timeout: float, what: str) -> Any:
+        return wait_for(condition, timeout, what, interval=0.1)
+
+    def logs(self, node_id: str) -> list[dict[str, Any]]:
+        return self.agents[node_id].log_records()
