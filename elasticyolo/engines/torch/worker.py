@@ -288,7 +288,7 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | None, sinks: list[
                     lr_scale=core.current_lr_scale(), accumulate=core.scaling.accumulate,
                     node=os.environ.get("ELASTICYOLO_NODE_ID"), local_rank=local_rank,
                     restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    params_digest=params_digest(core.model), start_s=round(time.time() - t_start, 3))
+                    params_digest=params_digest(core.model), proc_start=_proc_start(), run_start=t_start)
         log.info("training", rank=rank, world=world, epoch=core.progress.epoch, step=core.progress.step,
                  source=restored.source)
         hooks = TorchHooks(core, snapshots if local_rank == 0 else None, manager if rank == 0 else None)
@@ -309,6 +309,16 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | None, sinks: list[
             snapshots.close()
         if manager is not None:
             manager.close(timeout=30)
+
+
+def _proc_start() -> float | None:
+    """When this process was created (unix seconds), to split recovery time into phases."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return None
 
 
 def params_digest(model: torch.nn.Module) -> float:
