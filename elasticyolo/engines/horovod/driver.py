@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.rendezvous import create_rendezvous_handler
+from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
 from horovod.runner.common.util.hosts import SlotInfo
 from horovod.runner.http.http_server import RendezvousHTTPServer, RendezvousServer
@@ -34,6 +35,8 @@ from elasticyolo.spec import TrainSpec
 
 # How long a stopped worker gets to report its exit before the driver counts it as failed.
 STOP_REPORT_S = 5.0
+# A host change Horovod has not acted on after this long is announced to the workers again.
+RENOTIFY_S = 3.0
 
 
 def launch_key(keys: JobKeys, node_id: str, local_rank: int) -> str:
@@ -70,6 +73,7 @@ class DriverRunner:
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._world_written: Any = None
+        self._mismatch_since: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"horovod-driver-{self.term}", daemon=True)
 
     # ---- control (agent loop) -----------------------------------------------------------
@@ -111,7 +115,7 @@ class DriverRunner:
             port = rendezvous.start(create_rendezvous_handler(driver))
             self.log.info("driver started", rendezvous=f"{self.addr}:{port}", min_np=min_np, max_np=max_np)
             self._set_state(JOB_RUNNING)
-            current = driver.wait_for_available_slots(min_np)
+            current = self._wait_for_start(driver, min_np)
             num_proc = min(max(current.count_available_slots(), min_np), max_np)
             run_env = create_run_env_vars(self.addr, ["lo"], port, elastic=True)
             # The node's launcher picks its own interface for these (nodes differ).
@@ -159,6 +163,41 @@ class DriverRunner:
         except (UnavailableError, EtcdError) as exc:
             self.log.warning("could not clear launch requests", error=str(exc))
 
+    def _wait_for_start(self, driver: ElasticDriver, min_np: int, settle_s: float = 10.0) -> Any:
+        """Wait for `min_np` slots, then up to `settle_s` more for every registered node to be
+        ready (warm workers get ready a second apart; starting with all avoids an early reset)."""
+        current = driver.wait_for_available_slots(min_np)
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            nodes = self.view.snapshot.nodes
+            serving = [n for n, r in nodes.items() if r.get("state") in ("IDLE", "TRAINING")]
+            current = driver.wait_for_available_slots(min_np)
+            if all(n in current.available_hosts for n in serving):
+                break
+            self._stopping.wait(0.2)
+        return current
+
+    def _renotify(self, driver: ElasticDriver) -> None:
+        """Horovod notifies the rank-0 worker of new hosts once, and drops the notice if that
+        worker has not registered yet (a host added during a reset is then never used): while
+        the discovered hosts would change the assignment, notify again every few seconds."""
+        with driver._wait_hosts_cond:
+            current = driver._host_manager.current_hosts
+            if current.count_available_slots() < driver._min_num_proc:
+                self._mismatch_since = None
+                return
+            wanted, _ = driver._get_host_assignments(current)
+            if wanted == driver.host_assignments:
+                self._mismatch_since = None
+                return
+            now = time.monotonic()
+            if self._mismatch_since is None:
+                self._mismatch_since = now
+            elif now - self._mismatch_since > RENOTIFY_S:
+                self.log.info("re-notifying workers of host changes", hosts=sorted(current.available_hosts))
+                self._mismatch_since = now
+                driver._notify_workers_host_changes(current, HostUpdateResult.added)
+
     def _set_state(self, state: str, reason: str | None = None) -> None:
         rec = {"state": state, "at": time.time(), "by": f"driver {self.node_id} term {self.term}"}
         if reason:
@@ -182,6 +221,7 @@ class DriverRunner:
                              "term": self.term, "leader": self.node_id, "at": time.time()}
                     if self.election.fenced_put(self.keys.world, json.dumps(world)):
                         self._world_written = assignments
+                self._renotify(self.driver)
             except (UnavailableError, EtcdError, RuntimeError) as exc:  # RuntimeError: dict changed size
                 self.log.debug("world not written", error=str(exc))
             self._stopping.wait(0.25)
