@@ -8,6 +8,7 @@ step; the latest record wins. Connection settings come from the environment the 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -30,6 +31,16 @@ class EtcdProgress:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="etcd-progress", daemon=True)
         self._thread.start()
+        atexit.register(self.flush)  # the last record (final metrics) must not die with the thread
+
+    def flush(self) -> None:
+        with self._cond:
+            rec, self._latest = self._latest, None
+        if rec is not None:
+            try:
+                self.client.put(self.keys.progress, json.dumps(rec))
+            except (UnavailableError, EtcdError):
+                pass
 
     @classmethod
     def from_env(cls) -> "EtcdProgress | None":
