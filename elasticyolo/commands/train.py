@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model=yolov8n.yaml data=PATH epochs=E imgsz=S batch=B lr0=... policy=...")
     parser.add_argument("--progress-jsonl", type=argparse.FileType("w"), default=None,
                         help="also write one JSON record per step to this file")
+    parser.add_argument("--job", default="train",
+                        help="job name for checkpoints (with checkpoint=URI a rerun resumes this job)")
     parser.add_argument("--save", default=None, help="write the final checkpoint (.pt, loads with YOLO(path)) here")
 
 
@@ -27,17 +29,26 @@ def run(args: argparse.Namespace) -> int:
     from elasticyolo.train.loop import TrainingLoop
     from elasticyolo.train.report import JsonLines, ProgressBar
 
+    from elasticyolo.train.checkpointing import Checkpointer, LocalHooks
+
     quiet_ultralytics()
     core = TrainCore(spec)
+    checkpointer = Checkpointer(spec, args.job, rank=0)
+    if checkpointer.restore_into(core):
+        core.set_world(1, 0)
+        print(f"resumed from checkpoint: epoch={core.progress.epoch} step={core.progress.step}", file=sys.stderr)
     sinks = []
     bar = ProgressBar(spec.epochs, core.sampler.num_samples) if sys.stderr.isatty() else None
     if bar:
         sinks.append(bar)
     if args.progress_jsonl:
         sinks.append(JsonLines(args.progress_jsonl))
-    summary = TrainingLoop(core, sinks=sinks).run()
+    summary = TrainingLoop(core, hooks=LocalHooks(core, checkpointer), sinks=sinks).run()
     if bar:
         bar.close()
+    if checkpointer.enabled and not checkpointer.save_now(core, reason="final"):
+        print("elasticyolo train: warning: the final checkpoint did not land in time", file=sys.stderr)
+    checkpointer.close()
     if args.save:
         from elasticyolo.train.state import save_checkpoint_file
 

@@ -22,6 +22,8 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from elasticyolo.engines.horovod.snapshot import LocalSnapshots, restore_newest, snapshot_dir
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
+from elasticyolo.train.checkpointing import Checkpointer, job_name
+from elasticyolo.train.digest import optimizer_state_digest, params_digest
 from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
 
@@ -68,9 +70,10 @@ class HorovodHooks:
     """Commits through the elastic state; picks the commit interval (~1 s of work) on rank 0."""
 
     def __init__(self, state: "AlwaysSyncTorchState", core: TrainCore, target_s: float = 1.0,
-                 snapshots: LocalSnapshots | None = None) -> None:
+                 snapshots: LocalSnapshots | None = None, checkpointer: Checkpointer | None = None) -> None:
         self.state, self.core, self.target_s = state, core, target_s
         self.snapshots = snapshots
+        self.checkpointer = checkpointer
         self._fixed = core.spec.commit_every
         self._t_last = time.perf_counter()
         self._step_last = core.progress.step
@@ -80,7 +83,12 @@ class HorovodHooks:
         if self.snapshots is not None:
             # Before state.commit(): it saves, then may raise to reset; the core is the commit.
             self.snapshots.maybe_save(self.core)
-        self.state.commit()
+        # state.commit() is save() + check_host_updates(); the checkpoint goes in between so it
+        # holds exactly the committed state even when the check raises a hosts-updated reset.
+        self.state.save()
+        if self.checkpointer is not None:
+            self.checkpointer.after_commit(self.core)
+        self.state.check_host_updates()
 
     def commit_every(self, core: TrainCore) -> int:
         if self._fixed:
@@ -129,9 +137,16 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         core.progress.world = 0  # built for world 1: the first set_world is not a resize
         core.set_world(hvd.size(), hvd.rank())
     snapshots = LocalSnapshots(snapshot_dir(), hvd.local_rank())
+    checkpointer = Checkpointer(spec, job_name(), hvd.rank())
+    restored_step = None
     if os.environ.get("ELASTICYOLO_RESTORE") == "1":
         # A freshly started world (e.g. after leader loss): resume from the newest snapshot.
-        restore_newest(core, snapshots)
+        restored_step = restore_newest(core, snapshots)
+    if hvd.rank() == 0:
+        # A fresh process holding rank 0 is a cold start (Horovod keeps rank 0 on the oldest
+        # surviving host): the newest checkpoint wins if it is newer than any local snapshot, and
+        # the first sync hands it to every rank.
+        checkpointer.restore_into(core, newer_than=-1 if restored_step is None else restored_step)
     prime_optimizer_state(core.optimizer)
     trace = TraceWriter()
     # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
@@ -152,12 +167,18 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         core.set_world(hvd.size(), hvd.rank())
         trace.write("resume", rank=core.rank, world=core.world, step=core.progress.step,
                     epoch=core.progress.epoch, consumed=core.progress.consumed, lr_scale=core.current_lr_scale(),
-                    accumulate=core.scaling.accumulate, params_digest=params_digest(core.model))
+                    accumulate=core.scaling.accumulate, params_digest=params_digest(core.model),
+                    optimizer_digest=optimizer_state_digest(core.optimizer.state_dict()))
         log.info("training", rank=core.rank, world=core.world, epoch=core.progress.epoch, step=core.progress.step)
-        loop = TrainingLoop(core, hooks=HorovodHooks(state, core, snapshots=snapshots), sinks=sinks if core.rank == 0 else [], trace=trace)
+        checkpointer.rank = core.rank
+        hooks = HorovodHooks(state, core, snapshots=snapshots, checkpointer=checkpointer)
+        loop = TrainingLoop(core, hooks=hooks, sinks=sinks if core.rank == 0 else [], trace=trace)
         return loop.run()
 
     summary = train(state)
+    if not checkpointer.save_now(core, reason="final"):
+        log.warning("final_checkpoint_late", step=core.progress.step)
+    checkpointer.close()
     trace.write("done", rank=hvd.rank(), world=hvd.size(), step=core.progress.step)
     if hvd.rank() == 0:
         m = summary.metrics
@@ -165,12 +186,6 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
               f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} "
               f"seconds={summary.seconds:.1f}", flush=True)
     return summary
-
-
-def params_digest(model: torch.nn.Module) -> float:
-    """A cheap fingerprint of the parameters, to show ranks hold identical weights after a sync."""
-    with torch.no_grad():
-        return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(model.parameters())))
 
 
 def main_from_env() -> None:  # pragma: no cover - used through `elasticyolo worker`

@@ -1,0 +1,95 @@
+"""Checkpoints from the training loop: restore on a cold start, save after commits, final save.
+
+Glue between `TrainCore` (`elasticyolo.train.state`) and the checkpoint subsystem
+(`elasticyolo.checkpoint`). Only rank 0 saves; only a freshly started rank 0 restores (Horovod's
+sync then hands that state to everyone). Only committed state is ever checkpointed: saves happen
+right after the commit's local save.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from elasticyolo.checkpoint import CheckpointManager, open_store, restore_latest
+from elasticyolo.log import get_logger
+from elasticyolo.spec import TrainSpec
+from elasticyolo.train.core import TrainCore
+from elasticyolo.train.state import build_core_checkpoint, load_core_checkpoint
+
+log = get_logger("elasticyolo.checkpointing")
+
+
+def job_name(default: str = "default") -> str:
+    return os.environ.get("ELASTICYOLO_JOB", default)
+
+
+class Checkpointer:
+    def __init__(self, spec: TrainSpec, job: str, rank: int) -> None:
+        self.job, self.rank = job, rank
+        self.manager: CheckpointManager | None = None
+        self.store: Any = None
+        if spec.checkpoint:
+            self.store = open_store(spec.checkpoint)
+            self.store.check(write=rank == 0)  # one clear line for a bad URI, bucket or credentials
+            self.manager = CheckpointManager(
+                self.store, job, save_period_steps=spec.save_period_steps, save_period_s=spec.save_period_s,
+                keep_last=spec.keep_last, keep_epochs=spec.keep_epochs,
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.manager is not None
+
+    def restore_into(self, core: TrainCore, newer_than: int = -1) -> bool:
+        """Load the newest verified checkpoint of the job into `core` (rank 0 of a cold start),
+        unless it is not newer than step `newer_than` (e.g. a node-local snapshot already loaded)."""
+        if self.manager is None:
+            return False
+        found = restore_latest(self.store, self.job)
+        if found is None:
+            log.info("checkpoint_none", job=self.job, store=self.store.uri)
+            return False
+        ckpt, manifest = found
+        if manifest.step <= newer_than:
+            log.info("checkpoint_older_than_snapshot", job=self.job, step=manifest.step, snapshot_step=newer_than)
+            self.manager.note_restored(manifest)
+            return False
+        load_core_checkpoint(core, ckpt)
+        self.manager.note_restored(manifest)
+        log.info("checkpoint_restored", job=self.job, step=manifest.step, epoch=manifest.epoch, key=manifest.key)
+        return True
+
+    def after_commit(self, core: TrainCore) -> None:
+        if self.manager is None or core.rank != 0:
+            return
+        epoch_end = core.progress.consumed == 0 and core.progress.step > 0
+        self.manager.maybe_save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
+                                epoch_end=epoch_end)
+
+    def save_now(self, core: TrainCore, reason: str, timeout: float | None = 120.0) -> bool:
+        """A blocking save (drain, job end). True when it landed in time."""
+        if self.manager is None or core.rank != 0:
+            return True
+        return self.manager.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
+                                 reason=reason, wait=True, timeout=timeout)
+
+    def status(self) -> dict[str, Any] | None:
+        return self.manager.status() if self.manager is not None else None
+
+    def close(self, timeout: float = 60.0) -> None:
+        if self.manager is not None:
+            self.manager.close(timeout=timeout)
+
+
+class LocalHooks:
+    """Single-process training: a commit is just a checkpoint opportunity."""
+
+    def __init__(self, core: TrainCore, checkpointer: Checkpointer) -> None:
+        self.core, self.checkpointer = core, checkpointer
+
+    def commit(self) -> None:
+        self.checkpointer.after_commit(self.core)
+
+    def commit_every(self, core: TrainCore) -> int:
+        return 1 if self.checkpointer.enabled else 0

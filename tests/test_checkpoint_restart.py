@@ -1,0 +1,74 @@
+"""Full restart from S3: train under real horovodrun with checkpoints to a real S3 API server
+(moto on 127.0.0.1), kill every process, start again -> training resumes at the saved step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import boto3
+import pytest
+
+from elasticyolo.checkpoint import open_store, read_latest, restore_latest
+from elasticyolo.data.synth import SynthSpec, write_dataset
+from elasticyolo.testing.horovod_run import HorovodElasticJob, wait_until
+from elasticyolo.testing.servers import S3Server
+
+BUCKET = "ckpt-restart"
+
+
+def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
+    uri = f"s3://{BUCKET}/jobs"
+    data = write_dataset(tmp_path / "data", SynthSpec(train=32, val=8, imgsz=64, classes=2))
+    args = [f"data={data}", "model=yolov8n.yaml", "epochs=4", "imgsz=64", "batch=4", "nbs=4", "val=false",
+            "close_mosaic=0", "warmup_epochs=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
+    env = {**s3_server.env(), "ELASTICYOLO_JOB": "restart"}
+    store = open_store(uri)
+
+    (tmp_path / "run1").mkdir()
+    first = HorovodElasticJob(tmp_path / "run1", ["localhost:1"], args, env=env).start()
+    try:
+        first.wait_for(lambda: (m := read_latest(store, "restart")) is not None and m.step >= 9 and m, 300,
+                       "a checkpoint at step >= 9 in S3")
+    finally:
+        first.stop()  # SIGKILL horovodrun and every worker: nothing survives in memory
+    wait_until(lambda: not any(_alive(e["pid"]) for e in first.events()), 20, "every worker gone")
+    saved = read_latest(store, "restart")
+    assert saved is not None
+    ckpt, manifest = restore_latest(store, "restart")  # type: ignore[misc]
+    assert manifest.step == saved.step
+    from elasticyolo.train.digest import optimizer_state_digest
+
+    saved_opt = optimizer_state_digest(ckpt["optimizer"])
+    first_losses = [e["loss"] for e in first.steps() if e["step"] <= 2]
+
+    (tmp_path / "run2").mkdir()
+    second = HorovodElasticJob(tmp_path / "run2", ["localhost:1"], args, env=env).start()
+    try:
+        rc = second.wait(400)
+        assert rc == 0, second.log_tail()
+    finally:
+        second.stop()
+    events = second.events()
+    resume = next(e for e in events if e["ev"] == "resume")
+    assert (resume["step"], resume["epoch"]) == (saved.step, saved.epoch)
+    assert resume["optimizer_digest"] == pytest.approx(saved_opt, rel=1e-9)
+    steps = [e for e in events if e["ev"] == "step"]
+    assert steps[0]["step"] == saved.step + 1  # continues right after the saved step
+    # The loss curve continues: the resumed run does not start over at the first steps' loss.
+    resumed_losses = [e["loss"] for e in steps[:3]]
+    assert sum(resumed_losses) / len(resumed_losses) < sum(first_losses) / len(first_losses)
+    final = read_latest(store, "restart")
+    assert final is not None and final.epoch_end and final.step > saved.step
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
