@@ -203,6 +203,7 @@ def main() -> int:
     ap.add_argument("--which", default=",".join(ALL))
     ap.add_argument("--join-timeout", type=float, default=60.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, traces)")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -219,7 +220,10 @@ def main() -> int:
                     results.setdefault(name, []).append(res)
                     print(f"{name:24s} run {r}: {json.dumps(res)}", flush=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     print("\nseconds to the next training step (median over runs; '-' = never):")
     print(f"{'engine':24s} {'kill -> step':>14s} {'join -> step':>14s}")
     for name, runs in results.items():
