@@ -59,6 +59,14 @@ class AgentConfig(BaseModel):
     metrics_addr: str = "127.0.0.1"
     log_level: str = "info"
 
+    # spot interruption notices (elasticyolo/spot, agent/drain.py)
+    spot_provider: str = Field("none", description="aws, gcp, azure, auto or none")
+    metadata_url: str | None = Field(None, description="metadata base URL (tests: http://127.0.0.1:PORT)")
+    notice_file: str | None = Field(None, description="a file whose appearance is a notice")
+    spot_poll_interval: float | None = Field(None, gt=0, le=60)
+    drain_on_rebalance: bool = Field(False, description="drain on a rebalance recommendation, not only mark at risk")
+    drain_margin_s: float = Field(5.0, ge=0, le=120, description="finish draining this long before a notice deadline")
+
     # a job spec for VMs that boot straight into one job (submitted if etcd has none)
     spec: dict[str, Any] | None = None
 
@@ -106,6 +114,13 @@ class AgentConfig(BaseModel):
     def _level_ok(cls, v: str) -> str:
         if v.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError("expected debug, info, warning or error")
+        return v.lower()
+
+    @field_validator("spot_provider")
+    @classmethod
+    def _provider_ok(cls, v: str) -> str:
+        if v.lower() not in ("aws", "gcp", "azure", "none", "auto"):
+            raise ValueError("expected aws, gcp, azure, auto or none")
         return v.lower()
 
     @field_validator("metrics_addr")

@@ -16,6 +16,9 @@ from elasticyolo.cluster.etcd import EtcdClient, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
 
 _SINGLE_KEYS = ("leader", "spec", "state", "world", "progress", "checkpoint_latest")
+# Drain-related events shown by status (the newest EVENTS_SHOWN of the job's event log).
+EVENT_KINDS = ("notice", "drain_start", "drain_end")
+EVENTS_SCANNED, EVENTS_SHOWN = 50, 8
 
 
 def _json(raw: bytes | None) -> Any:
@@ -38,6 +41,9 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     single = [getattr(keys, name) for name in _SINGLE_KEYS]
     ranges = [{"request_range": {"key": b64(k)}} for k in single]
     ranges.append({"request_range": {"key": b64(keys.nodes), "range_end": b64(prefix_range_end(keys.nodes))}})
+    ranges.append({"request_range": {"key": b64(keys.events), "range_end": b64(prefix_range_end(keys.events)),
+                                     "limit": EVENTS_SCANNED, "sort_order": "DESCEND", "sort_target": "KEY"}})
+    ranges.append({"request_range": {"key": b64(keys.prefix + "resume")}})
     result = client.txn([], ranges, [])
     responses = result.get("responses") or []
     values: dict[str, tuple[Any, int] | None] = {}
@@ -45,6 +51,17 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
         kvs = resp.get("response_range", {}).get("kvs") or []
         values[name] = (_json(_unb64(kvs[0].get("value"))), int(kvs[0]["mod_revision"])) if kvs else None
     node_kvs = (responses[len(_SINGLE_KEYS)].get("response_range", {}).get("kvs") or []) if len(responses) > len(_SINGLE_KEYS) else []
+
+    events: list[dict[str, Any]] = []
+    for kv in (responses[len(_SINGLE_KEYS) + 1].get("response_range", {}).get("kvs") or []
+               if len(responses) > len(_SINGLE_KEYS) + 1 else []):
+        ev = _json(_unb64(kv.get("value")))
+        if isinstance(ev, dict) and ev.get("kind") in EVENT_KINDS and len(events) < EVENTS_SHOWN:
+            events.append(ev)
+    events.reverse()
+    resume_kvs = (responses[len(_SINGLE_KEYS) + 2].get("response_range", {}).get("kvs") or []
+                  if len(responses) > len(_SINGLE_KEYS) + 2 else [])
+    last_resume = _json(_unb64(resume_kvs[0].get("value"))) if resume_kvs else None
 
     leader_v = values["leader"]
     leader_id = leader_v[0].get("node_id") if leader_v and isinstance(leader_v[0], dict) else None
@@ -105,6 +122,8 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
         "spec": spec,
         "revision": int(result["header"]["revision"]),
         "nodes": nodes,
+        "events": events,
+        "last_resume": last_resume,
     }
 
 
@@ -175,8 +194,30 @@ def _notice_text(n: Any) -> str:
     if not n:
         return "-"
     if isinstance(n, dict):
-        return str(n.get("action") or n.get("kind") or "notice") + (f"@{n['time']}" if n.get("time") else "")
+        kind = str(n.get("action") or n.get("kind") or "notice")
+        src = f"{n['source']}:" if n.get("source") else ""
+        if n.get("at_risk"):
+            return f"{src}{kind} (at risk)"
+        when = n.get("deadline", n.get("time"))
+        if isinstance(when, (int, float)):
+            return f"{src}{kind} in {max(0, int(when - time.time()))}s"
+        return f"{src}{kind}" + (f"@{when}" if when else "")
     return str(n)
+
+
+def _event_text(ev: dict[str, Any]) -> str:
+    at = time.strftime("%H:%M:%S", time.localtime(ev["at"])) if isinstance(ev.get("at"), (int, float)) else "?"
+    kind = ev.get("kind")
+    if kind == "notice":
+        what = f"{ev.get('provider')} {ev.get('notice_kind')} notice"
+        detail = f"drain={'yes' if ev.get('drain') else 'no'}, {ev.get('seconds_left')}s left"
+    elif kind == "drain_start":
+        what, detail = "drain started", f"{ev.get('reason')}, deadline in {ev.get('deadline_in_s')}s"
+    else:
+        what = "drained"
+        detail = (f"{ev.get('notice_to_drained_s')}s after the notice, lost steps {_fmt(ev.get('lost_steps'))}, "
+                  f"mode {_fmt(ev.get('mode'))}, step {_fmt(ev.get('committed_step'))}")
+    return f"{at}  {ev.get('node')}  {what}: {detail}"
 
 
 def render_table(view: dict[str, Any]) -> str:
@@ -198,9 +239,11 @@ def render_table(view: dict[str, Any]) -> str:
         ])
     if not rows:
         lines.append("no nodes registered")
-        return "\n".join(lines)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines.append("   ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
-    for r in rows:
-        lines.append("   ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    else:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        lines.append("   ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+        for r in rows:
+            lines.append("   ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    if view.get("events"):
+        lines += ["", "EVENTS"] + ["  " + _event_text(ev) for ev in view["events"]]
     return "\n".join(lines)

@@ -111,7 +111,7 @@ def test_sigterm_drains_then_leaves_and_revokes_lease(etcd_server: EtcdCluster, 
     assert monitor.violations == []
     assert exited < TTL
     events = [json.loads(v) for _, v, _ in e.get_prefix(JobKeys(job_name).events)]
-    mine = [(ev["from"], ev["to"]) for ev in events if ev["node"] == "first"]
+    mine = [(ev["from"], ev["to"]) for ev in events if ev["node"] == "first" and ev["kind"] == "state"]
     assert mine[-2:] == [("IDLE", "DRAINING"), ("DRAINING", "LEFT")]
     logged = [r.get("to_state") for r in first.log_records() if r.get("event") == "state transition"]
     assert logged[-2:] == ["DRAINING", "LEFT"]

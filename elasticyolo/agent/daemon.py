@@ -80,6 +80,11 @@ class Agent:
         self._wake = threading.Event()
         self._drain_reason: str | None = None
         self._drain_deadline = 0.0
+        self._notice_deadline: float | None = None  # epoch s: the earliest draining notice's deadline
+        self.drain_started_at: float | None = None  # epoch s
+        self.drain_report: dict[str, Any] = {}  # engine hooks fill it while draining (lost_steps, ...)
+        # Set by the CLI to the spot watcher's inject_signal: SIGTERM/SIGINT become notices.
+        self.signal_sink: Callable[[int], None] | None = None
         self._conflict_since: float | None = None
         self._fatal: str | None = None
         self._event_seq = 0
@@ -95,13 +100,52 @@ class Agent:
     def wake(self) -> None:
         self._wake.set()
 
-    def request_drain(self, reason: str, notice: dict[str, Any] | None = None) -> None:
-        """Leave the world cleanly (thread-safe; signal handlers and spot pollers call this)."""
+    def request_drain(self, reason: str, notice: dict[str, Any] | None = None,
+                      deadline: float | None = None) -> None:
+        """Leave the world cleanly (thread-safe; signal handlers and spot pollers call this).
+        `deadline`: epoch seconds by which the node may be gone; the drain then ends
+        `drain_margin_s` before it (or after `drain_timeout_s`, whichever comes first)."""
         if self._drain_reason is None:
             self._drain_reason = reason
+        if deadline is not None and (self._notice_deadline is None or deadline < self._notice_deadline):
+            self._notice_deadline = deadline
+            if self.state is NodeState.DRAINING:
+                self._drain_deadline = min(self._drain_deadline, self._deadline_from_notice())
         if notice is not None:
             self.set_notice(notice)
         self.wake()
+
+    def _deadline_from_notice(self) -> float:
+        if self._notice_deadline is None:
+            return float("inf")
+        return time.monotonic() + (self._notice_deadline - time.time()) - self.cfg.drain_margin_s
+
+    @property
+    def drain_reason(self) -> str | None:
+        return self._drain_reason
+
+    @property
+    def drain_deadline(self) -> float:
+        """Monotonic time by which the drain must be done (0 when not draining)."""
+        return self._drain_deadline
+
+    def resign(self, reason: str) -> None:
+        """Give up leadership now (a draining leader after its handover)."""
+        if self.election.is_leader:
+            self.election.resign(reason)
+            self.record.leader = False
+            self._record_dirty = True
+            self._lost_leadership(reason)
+
+    def write_event(self, kind: str, **fields: Any) -> None:
+        """Append to the job's event log in etcd (best effort; `status` shows the newest)."""
+        self._event_seq += 1
+        event = {"at": time.time(), "node": self.cfg.node_id, "kind": kind, **fields}
+        try:
+            self.client.put(self.keys.event(int(time.time() * 1000), self.cfg.node_id, self._event_seq),
+                            json.dumps(event))
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not write event", kind=kind, error=str(exc))
 
     def set_notice(self, notice: dict[str, Any]) -> None:
         """Record an interruption notice in the node record (shown by `status`)."""
@@ -230,11 +274,20 @@ class Agent:
         self.metrics.transition(t.old, t.new)
         self.log.info("state transition", from_state=t.old.value, to_state=t.new.value, reason=t.reason)
         if t.new is NodeState.DRAINING:
-            self._drain_deadline = time.monotonic() + self.cfg.drain_timeout_s
+            self.drain_started_at = time.time()
+            self._drain_deadline = min(time.monotonic() + self.cfg.drain_timeout_s, self._deadline_from_notice())
             self.notifier.stopping(f"draining: {self._drain_reason}")
-            if self.election.is_leader:
+            # Before the DRAINING record is written: engines may tag it (e.g. horovod's handover
+            # mode keeps the node's slots listed until the world has snapshotted).
+            self._call_hooks("before_drain")
+            # A leader whose engine hands its role over first (horovod: snapshot at a commit, then
+            # resign) keeps it until the hook calls resign(); otherwise it resigns at once.
+            keep = any(h.keeps_leadership_while_draining(self) for h in self.hooks)
+            if self.election.is_leader and not keep:
                 self.election.resign(f"draining ({self._drain_reason})")
                 self._lost_leadership("draining")
+        if t.new is NodeState.LEFT:
+            self.resign("drained")
         if t.new is NodeState.JOINING and self.election.is_leader:
             self.election.term = 0
             self._lost_leadership("lease lost")
@@ -254,14 +307,7 @@ class Agent:
             self.log.warning("could not write node record; will retry", error=str(exc))
 
     def _write_event(self, t: Transition) -> None:
-        self._event_seq += 1
-        event = {"at": time.time(), "node": self.cfg.node_id, "kind": "state", "from": t.old.value,
-                 "to": t.new.value, "reason": t.reason}
-        try:
-            self.client.put(self.keys.event(int(time.time() * 1000), self.cfg.node_id, self._event_seq),
-                            json.dumps(event))
-        except (UnavailableError, EtcdError) as exc:
-            self.log.warning("could not write event", error=str(exc))
+        self.write_event("state", **{"from": t.old.value, "to": t.new.value, "reason": t.reason})
 
     def _drain_step(self) -> bool:
         done = True
@@ -375,6 +421,13 @@ class Agent:
             return
 
         def handler(signum: int, _frame: object) -> None:
+            if self.signal_sink is not None:
+                # Signal-safe: the watcher queues a notice (with its deadline) and its dispatcher
+                # thread calls request_drain; the plain assignment also covers start-up.
+                self.signal_sink(signum)
+                if self._drain_reason is None:
+                    self._drain_reason = signal.Signals(signum).name
+                return
             self.request_drain(signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, handler)

@@ -41,6 +41,14 @@ class AgentHooks:
         monotonic `deadline` passes. Stop workers / leave the world here."""
         return True
 
+    def before_drain(self, agent: "Agent") -> None:
+        """The node is about to be written DRAINING (runs before the record and any resign)."""
+
+    def keeps_leadership_while_draining(self, agent: "Agent") -> bool:
+        """True: this hook hands the leader role over itself during on_drain (then calls
+        `agent.resign()`); the agent does not resign when it starts draining."""
+        return False
+
     def on_tick(self, agent: "Agent") -> None:
         """Every loop iteration (about ttl/4, sooner when etcd changes)."""
 

@@ -32,6 +32,16 @@ class AgentMetrics:
                                             ["node", "job"], registry=self.registry).labels(**labels)
         self.notices = Counter("elasticyolo_interruption_notices_total", "interruption notices received",
                                ["node", "job"], registry=self.registry).labels(**labels)
+        self.at_risk = Gauge("elasticyolo_node_at_risk", "1 while an at-risk notice (e.g. rebalance) stands",
+                             ["node", "job"], registry=self.registry).labels(**labels)
+        self.drains = Counter("elasticyolo_drains_total", "drains started", ["node", "job", "reason"],
+                              registry=self.registry)
+        self.notice_to_drained = Gauge("elasticyolo_notice_to_drained_seconds",
+                                       "seconds from the last notice to drained (the node left the world)",
+                                       ["node", "job"], registry=self.registry).labels(**labels)
+        self.drain_lost_steps = Gauge("elasticyolo_drain_lost_steps",
+                                      "committed steps the world lost in the last drain (-1: unknown)",
+                                      ["node", "job"], registry=self.registry).labels(**labels)
         self.etcd_errors = Counter("elasticyolo_etcd_errors_total", "etcd calls that failed after retries",
                                    ["node", "job"], registry=self.registry).labels(**labels)
         self.set_state(NodeState.JOINING)

@@ -36,11 +36,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handover", action=argparse.BooleanOptionalAction, default=None,
                         help="a preemptible leader hands over to a non-preemptible node (default yes)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    spot = parser.add_argument_group("spot interruption notices")
+    spot.add_argument("--spot-provider", choices=["aws", "gcp", "azure", "none", "auto"],
+                      help="watch this cloud's metadata for interruption notices and drain on one (default none)")
+    spot.add_argument("--metadata-url", metavar="URL", help="metadata base URL (default: the provider's own)")
+    spot.add_argument("--notice-file", metavar="PATH", help="a file appearing here is a notice (any provider)")
+    spot.add_argument("--spot-poll-interval", type=float, metavar="S", help="poll period (default: per provider)")
+    spot.add_argument("--drain-on-rebalance", action=argparse.BooleanOptionalAction, default=None,
+                      help="drain on a rebalance recommendation (default: only mark the node at risk)")
+    spot.add_argument("--drain-margin-s", type=float, metavar="S",
+                      help="finish draining this long before the notice deadline (default 5)")
 
 
 _FLAG_FIELDS = ("etcd", "job", "node_id", "host", "addr", "slots", "ttl", "preemptible", "instance_type", "zone",
                 "price_per_hour", "metrics_port", "metrics_addr", "drain_timeout_s", "startup_timeout_s", "etcd_ca",
-                "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_timeout", "handover", "log_level")
+                "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_timeout", "handover", "log_level",
+                "spot_provider", "metadata_url", "notice_file", "spot_poll_interval", "drain_on_rebalance",
+                "drain_margin_s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,4 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     from elasticyolo.engines.horovod.agent_hooks import HorovodEngineHooks  # torch-free; engine=horovod jobs
 
-    return Agent(cfg, hooks=[TorchEngineHook(cfg), HorovodEngineHooks()]).run()
+    from elasticyolo.agent.drain import SpotDrain
+
+    spot = SpotDrain.from_config(cfg)  # a bad --metadata-url fails here, before anything starts
+    agent = Agent(cfg, hooks=[spot, TorchEngineHook(cfg), HorovodEngineHooks()])
+    agent.signal_sink = spot.watcher.inject_signal
+    return agent.run()

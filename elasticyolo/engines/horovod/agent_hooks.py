@@ -20,6 +20,7 @@ from elasticyolo.log import get_logger
 
 if TYPE_CHECKING:
     from elasticyolo.agent.daemon import Agent
+    from elasticyolo.engines.horovod.drain import HorovodDrain
     from elasticyolo.engines.horovod.driver import DriverRunner
     from elasticyolo.engines.horovod.launcher import Launcher
     from elasticyolo.engines.horovod.prewarm import PrewarmPool
@@ -35,6 +36,7 @@ class HorovodEngineHooks(AgentHooks):
         self.launcher: "Launcher | None" = None
         self.runner: "DriverRunner | None" = None
         self.pool: "PrewarmPool | None" = None
+        self.drain: "HorovodDrain | None" = None
         self._runner_key: tuple[int, int] | None = None  # (term, spec revision) the runner serves
         self._finished_key: tuple[int, int] | None = None
         self.prewarm = (os.environ.get("ELASTICYOLO_PREWARM", "1") != "0") if prewarm is None else prewarm
@@ -56,21 +58,43 @@ class HorovodEngineHooks(AgentHooks):
         job = agent.job
         horovod_job = job.active and job.spec is not None and job.spec.engine == "horovod"
         serving = agent.state in (NodeState.IDLE, NodeState.TRAINING)
+        draining = agent.state is NodeState.DRAINING and self.drain is not None and self.drain.mode != "idle"
         try:
             self._manage_prewarm(agent, horovod_job and serving)
             if self.launcher is not None:
-                self.launcher.reconcile(horovod_job and serving)
+                # Draining: the worker keeps running until the world lets it go (drain.py); only a
+                # withdrawn request (the driver stopped) stops it here.
+                self.launcher.reconcile(horovod_job and (serving or draining))
         except (UnavailableError, EtcdError) as exc:
             self.log.warning("launcher could not read etcd; will retry", error=str(exc))
-        self._manage_driver(agent, horovod_job and serving and agent.is_leader)
+        if not draining:
+            self._manage_driver(agent, horovod_job and serving and agent.is_leader)
 
     def on_lose_leadership(self, agent: "Agent", reason: str) -> None:
         self._stop_runner(f"lost leadership: {reason}")
 
+    def before_drain(self, agent: "Agent") -> None:
+        from elasticyolo.engines.horovod.drain import HorovodDrain
+
+        self.drain = HorovodDrain(agent, self)
+        try:
+            self.drain.plan()
+        except (UnavailableError, EtcdError) as exc:
+            self.log.warning("could not plan the drain; leaving through a plain stop", error=str(exc))
+            self.drain.mode = "idle"
+
+    def keeps_leadership_while_draining(self, agent: "Agent") -> bool:
+        return self.drain is not None and self.drain.mode == "handover" and self.runner is not None
+
     def on_drain(self, agent: "Agent", deadline: float) -> bool:
-        self._stop_runner("draining")
         self._stop_pool()
-        return self.launcher is None or self.launcher.stop_all("draining")
+        if self.drain is None or self.drain.mode == "idle":
+            self._stop_runner("draining")
+            return self.launcher is None or self.launcher.stop_all("draining")
+        done = self.drain.step(deadline)
+        if done:
+            self._stop_runner("drained")
+        return done
 
     def on_stop(self, agent: "Agent") -> None:
         self._stop_runner("agent stopping")

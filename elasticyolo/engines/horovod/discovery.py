@@ -37,7 +37,10 @@ def exits_prefix(keys: JobKeys) -> str:
 
 def slots_of(record: dict[str, Any], max_slots: int | None) -> int:
     """Slots a node offers: its pre-warmed slots when it reports them, else its slot count."""
-    if record.get("state") not in SERVING_STATES:
+    # A draining node handing over (drain.py) stays listed until its world has snapshotted:
+    # a hosts-updated reset racing the quiesce request would otherwise remove it first.
+    handing_over = record.get("state") == "DRAINING" and record.get("drain_mode") == "handover"
+    if record.get("state") not in SERVING_STATES and not handing_over:
         return 0
     ready = record.get("ready_slots")
     slots = int(record.get("slots") or 0) if ready is None else int(ready)

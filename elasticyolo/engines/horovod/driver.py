@@ -123,6 +123,7 @@ class DriverRunner:
                 run_env.pop(k, None)
             run_env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(spec.gloo_timeout_s)
             run_env["ELASTICYOLO_SPEC"] = spec.to_json()
+            run_env["ELASTICYOLO_DRIVER_TERM"] = str(self.term)  # workers act only on this term's quiesce (drain.py)
             watcher = threading.Thread(target=self._watch_world, name="world-writer", daemon=True)
             watcher.start()
             driver.start(num_proc, self._create_worker_fn({k: str(v) for k, v in run_env.items()}))

@@ -55,6 +55,11 @@ class LocalSnapshots:
         log.info("snapshot saved", step=core.progress.step, epoch=core.progress.epoch,
                  seconds=round(time.perf_counter() - t0, 3))
 
+    def save_now(self, core: TrainCore) -> None:
+        """Save regardless of the period (a drain's quiesce)."""
+        self._last = float("-inf")
+        self.maybe_save(core)
+
     def load(self) -> dict[str, Any] | None:
         if self.path is None or not self.path.exists():
             return None

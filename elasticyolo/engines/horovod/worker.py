@@ -18,6 +18,9 @@ import elasticyolo.train  # noqa: F401  (offline Ultralytics before anything imp
 import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
+from horovod.runner.elastic.worker import HostUpdateResult
+
+from elasticyolo.engines.horovod.drain_worker import QuiesceInterrupt, QuiescePoller, hold_until_stopped
 
 from elasticyolo.engines.horovod.snapshot import LocalSnapshots, restore_newest, snapshot_dir
 from elasticyolo.log import get_logger
@@ -38,11 +41,29 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
     deadlocks (Horovod issue #3494). Syncing on every reset costs one broadcast and removes that.
     """
 
+    quiesce_poller: QuiescePoller | None = None
+    on_quiesce: Any = None  # called on every rank at the commit all ranks agreed to quiesce at
+
     def check_host_updates(self) -> None:
-        try:
-            super().check_host_updates()
-        except HostsUpdatedInterrupt:
-            raise HostsUpdatedInterrupt(False) from None
+        # Horovod's own check, plus rank 0's pending quiesce request (drain.py) in the same
+        # broadcast, so every rank quiesces at the same commit.
+        prev = last = self._last_updated_timestamp
+        update = HostUpdateResult.no_update
+        while not self._host_messages.empty():
+            timestamp, res = self._host_messages.get()
+            if timestamp > last:
+                last, update = timestamp, update | res
+        poller = self.quiesce_poller
+        request = poller.pending() if poller is not None and hvd.rank() == 0 else None
+        prev, self._last_updated_timestamp, update, request = self._bcast_object((prev, last, update, request))
+        if request is not None and self.on_quiesce is not None:
+            if poller is not None:
+                poller.handled.add(request["id"])
+            self.on_quiesce(request)
+            if request.get("hold"):
+                raise QuiesceInterrupt(request)
+        if self._last_updated_timestamp > prev:
+            raise HostsUpdatedInterrupt(False)
 
 
 def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -160,11 +181,33 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         log.info("reset", rank=hvd.rank(), world=hvd.size())
 
     state.register_reset_callbacks([on_reset])
+    poller = QuiescePoller()
+
+    def on_quiesce(request: dict[str, Any]) -> None:
+        """At an agreed commit: snapshot everywhere, checkpoint if asked, then rank 0 acks."""
+        t0 = time.perf_counter()
+        snapshots.save_now(core)
+        ok: bool | None = None
+        if request.get("checkpoint") and checkpointer.enabled:
+            ok = checkpointer.save_now(core, reason="drain", timeout=float(request.get("timeout_s") or 30))
+        hvd.allreduce(torch.zeros(1), name=f"quiesce.{request['id']}")  # every node's snapshot is on disk
+        if core.rank == 0:
+            poller.ack(request, core.progress.step, core.progress.epoch, ok)
+        trace.write("quiesce", rank=core.rank, world=core.world, step=core.progress.step, hold=bool(request.get("hold")),
+                    checkpoint=ok, seconds=round(time.perf_counter() - t0, 3))
+        log.info("quiesced", step=core.progress.step, checkpoint=ok, by=request.get("by"))
+
+    state.quiesce_poller, state.on_quiesce = poller, on_quiesce
+    first_entry = [True]
 
     @hvd.elastic.run
     def train(state: AlwaysSyncTorchState) -> Summary:
+        before = core.progress.step  # steps this process reached (committed or not)
         load_core_from_state(core, state)
         core.set_world(hvd.size(), hvd.rank())
+        if hvd.rank() == 0:
+            report_resume(before, first_entry[0])
+        first_entry[0] = False
         trace.write("resume", rank=core.rank, world=core.world, step=core.progress.step,
                     epoch=core.progress.epoch, consumed=core.progress.consumed, lr_scale=core.current_lr_scale(),
                     accumulate=core.scaling.accumulate, params_digest=params_digest(core.model),
@@ -175,7 +218,34 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         loop = TrainingLoop(core, hooks=hooks, sinks=sinks if core.rank == 0 else [], trace=trace)
         return loop.run()
 
-    summary = train(state)
+    def report_resume(before: int, first: bool) -> None:
+        # Lost steps: work this rank had done past the state the world resumes from (a rollback);
+        # a restored world compares with the step its predecessor acknowledged when it quiesced.
+        step, lost, reason = core.progress.step, max(0, before - core.progress.step), "reset"
+        if first:
+            reason, lost = "start", None
+            if os.environ.get("ELASTICYOLO_RESTORE") == "1":
+                ack = poller.last_ack()
+                reason = "restore"
+                lost = max(0, int(ack["step"]) - step) if ack and ack.get("step") is not None else None
+        poller.report_resume(step, hvd.size(), lost, reason)
+
+    try:
+        summary = train(state)
+    except QuiesceInterrupt as q:
+        trace.write("held", rank=hvd.rank(), step=core.progress.step)
+        log.info("quiesced for a handover; waiting to be stopped", by=q.request.get("by"), step=core.progress.step)
+        checkpointer.close()
+        hold_until_stopped()
+        return None
+    except ValueError as exc:
+        if "initialization failed" not in str(exc):
+            raise
+        # The driver gave this slot rank -1: its host left the job (a drain) after the world re-formed.
+        trace.write("left", step=core.progress.step)
+        log.info("removed from the elastic job; exiting", step=core.progress.step)
+        checkpointer.close()
+        raise SystemExit(3) from None
     if not checkpointer.save_now(core, reason="final"):
         log.warning("final_checkpoint_late", step=core.progress.step)
     checkpointer.close()
