@@ -307,9 +307,15 @@ class TrainCore:
         self.sampler.load_state_dict({"epoch": self.progress.epoch, "consumed": self.progress.consumed})
 
     # ---- validation ------------------------------------------------------------------------
-    def validate(self, model: nn.Module | None = None) -> dict[str, float]:
-        """mAP50 and mAP50-95 of the EMA model on the val split, driven batch by batch (the
-        validator's own DDP gather path expects CUDA collectives; we validate on one rank)."""
+    def validate(self, model: nn.Module | None = None,
+                 gather: Callable[[Any], list[Any]] | None = None) -> dict[str, float]:
+        """mAP50 and mAP50-95 of the EMA model on the val split.
+
+        With `gather` (an all-gather of a Python object across the world), every rank validates a
+        strided shard of the val images and the match statistics are merged, so the whole world
+        validates together: no rank sits in a collective while rank 0 validates alone (that wait
+        can outlast Gloo's timeout). Ultralytics' own DDP gather path expects torch.distributed,
+        so the validator is driven batch by batch here."""
         from ultralytics.models.yolo.detect import DetectionValidator
 
         model = model or self.ema.ema
@@ -323,17 +329,29 @@ class TrainCore:
         if self._val_loader is None:
             self._val_loader = validator.get_dataloader(self.data["val"], self.spec.batch * 2)
         validator.dataloader = self._val_loader
+        dataset = self._val_loader.dataset
+        rank, world = (self.rank, self.world) if gather is not None else (0, 1)
+        mine = list(range(rank, len(dataset), world))
+        bs = self.spec.batch * 2
         was_training = model.training
         model.eval()
         validator.init_metrics(model)
         with torch.inference_mode():
-            for batch in self._val_loader:
+            for i in range(0, len(mine), bs):
+                batch = dataset.collate_fn([dataset[j] for j in mine[i:i + bs]])
                 batch = validator.preprocess(batch)
                 batch["img"] = batch["img"].float()
                 preds = model(batch["img"])
                 validator.update_metrics(validator.postprocess(preds), batch)
-        stats = validator.get_stats()
         model.train(was_training)
+        if gather is not None and world > 1:
+            merged: dict[str, list[Any]] = {k: [] for k in validator.metrics.stats}
+            for part in gather(validator.metrics.stats):
+                for k, v in part.items():
+                    merged[k].extend(v)
+            validator.metrics.stats = merged
+            validator.metrics.box.clear_image_metrics()  # per-image extras are not needed for mAP
+        stats = validator.get_stats()
         return {
             "mAP50": float(stats.get("metrics/mAP50(B)", 0.0)),
             "mAP50-95": float(stats.get("metrics/mAP50-95(B)", 0.0)),

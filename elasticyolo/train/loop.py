@@ -19,6 +19,9 @@ ProgressSink = Callable[[dict[str, Any]], None]
 
 
 class Hooks(Protocol):
+    """What an engine provides. It may also provide `gather(obj) -> list` (an all-gather of a
+    Python object across the world) for sharded validation; without it one rank validates all."""
+
     def commit(self) -> None: ...
 
     def commit_every(self, core: TrainCore) -> int: ...
@@ -112,8 +115,9 @@ class TrainingLoop:
             self._images += result.images
             lr = core.optimizer.param_groups[0]["lr"]
             epoch_ended = core.end_epoch_if_done()
-            if epoch_ended and core.rank == 0 and self.validate_every_epoch and core.spec.val:
-                self.last_metrics = core.validate()
+            if epoch_ended and self.validate_every_epoch and core.spec.val:
+                # Every rank validates its shard together (see TrainCore.validate).
+                self.last_metrics = core.validate(gather=getattr(self.hooks, "gather", None))
                 core.progress.history.append({"epoch": epoch, **self.last_metrics})
             self._emit({
                 "kind": "step", "epoch": core.progress.epoch, "epochs": core.spec.epochs, "step": core.progress.step,

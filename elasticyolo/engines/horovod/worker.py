@@ -111,6 +111,9 @@ class HorovodHooks:
             self.checkpointer.after_commit(self.core)
         self.state.check_host_updates()
 
+    def gather(self, obj: Any) -> list[Any]:
+        return list(hvd.allgather_object(obj, name="val_stats"))
+
     def commit_every(self, core: TrainCore) -> int:
         if self._fixed:
             return self._fixed

@@ -153,6 +153,13 @@ class TorchHooks:
             self.manager.maybe_save(p.step, p.epoch, lambda: build_core_checkpoint(core),
                                     epoch_end=p.consumed == 0 and p.epoch > 0)
 
+    def gather(self, obj: Any) -> list[Any]:
+        if self.core.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.core.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def commit_every(self, core: TrainCore) -> int:
         if self._fixed:
             return self._fixed
