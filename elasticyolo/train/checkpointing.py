@@ -9,7 +9,7 @@ right after the commit's local save.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from elasticyolo.checkpoint import CheckpointManager, open_store, restore_latest
 from elasticyolo.log import get_logger
@@ -25,8 +25,11 @@ def job_name(default: str = "default") -> str:
 
 
 class Checkpointer:
-    def __init__(self, spec: TrainSpec, job: str, rank: int) -> None:
+    def __init__(self, spec: TrainSpec, job: str, rank: int, sinks: list[Callable[[dict[str, Any]], None]] | None = None
+                 ) -> None:
         self.job, self.rank = job, rank
+        self.sinks = sinks or []  # progress sinks: told {"kind": "checkpoint", ...} when one lands
+        self._published_step = -1
         self.manager: CheckpointManager | None = None
         self.store: Any = None
         if spec.checkpoint:
@@ -66,13 +69,28 @@ class Checkpointer:
         epoch_end = core.progress.consumed == 0 and core.progress.step > 0
         self.manager.maybe_save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
                                 epoch_end=epoch_end)
+        self._publish_landed()
+
+    def _publish_landed(self) -> None:
+        """Uploads land in the background; the next commit after one lands reports it."""
+        last = self.manager.last if self.manager is not None else None
+        if last is None or last.step == self._published_step:
+            return
+        self._published_step = last.step
+        rec = {"kind": "checkpoint", "uri": f"{self.store.uri.rstrip('/')}/{last.key}", "epoch": last.epoch,
+               "step": last.step, "at": last.created, "size": last.size, "upload_s": round(last.upload_s, 3),
+               "snapshot_s": round(last.snapshot_s, 4)}
+        for sink in self.sinks:
+            sink(rec)
 
     def save_now(self, core: TrainCore, reason: str, timeout: float | None = 120.0) -> bool:
         """A blocking save (drain, job end). True when it landed in time."""
         if self.manager is None or core.rank != 0:
             return True
-        return self.manager.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
-                                 reason=reason, wait=True, timeout=timeout)
+        landed = self.manager.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
+                                   reason=reason, wait=True, timeout=timeout)
+        self._publish_landed()
+        return landed
 
     def status(self) -> dict[str, Any] | None:
         return self.manager.status() if self.manager is not None else None

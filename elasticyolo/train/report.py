@@ -18,6 +18,8 @@ class ProgressBar:
         self.bar = tqdm(total=total_epochs * num_samples, unit="img", file=self.stream, dynamic_ncols=True)
 
     def __call__(self, rec: dict[str, Any]) -> None:
+        if rec.get("kind") != "step":
+            return
         done = rec["epoch"] * self.num_samples + rec["consumed"]
         self.bar.update(max(done - self.bar.n, 0))
         desc = f"epoch {min(rec['epoch'] + 1, rec['epochs'])}/{rec['epochs']} loss {rec['loss']:.3f} lr {rec['lr']:.2e}"

@@ -54,6 +54,9 @@ class EtcdProgress:
         return cls(client, JobKeys(job))
 
     def __call__(self, rec: dict[str, Any]) -> None:
+        if rec.get("kind") == "checkpoint":
+            self._put_checkpoint(rec)
+            return
         out = {k: rec.get(k) for k in FIELDS}
         out["samples_s"] = round(float(rec.get("samples_per_s") or 0.0), 2)
         out["node"] = os.environ.get("ELASTICYOLO_NODE_ID")
@@ -63,6 +66,19 @@ class EtcdProgress:
         with self._cond:
             self._latest = out
             self._cond.notify()
+
+    def _put_checkpoint(self, rec: dict[str, Any]) -> None:
+        """The newest landed checkpoint, for `status` (`JobKeys.checkpoint_latest`). Rare (one per
+        checkpoint), so written on a short-lived thread: never blocks a step."""
+        body = json.dumps({k: v for k, v in rec.items() if k != "kind"})
+
+        def put() -> None:
+            try:
+                self.client.put(self.keys.checkpoint_latest, body)
+            except (UnavailableError, EtcdError):
+                pass  # best effort: the next checkpoint overwrites it
+
+        threading.Thread(target=put, name="etcd-checkpoint", daemon=True).start()
 
     def _run(self) -> None:
         last = 0.0

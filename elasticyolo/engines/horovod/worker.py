@@ -161,7 +161,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         core.progress.world = 0  # built for world 1: the first set_world is not a resize
         core.set_world(hvd.size(), hvd.rank())
     snapshots = LocalSnapshots(snapshot_dir(), hvd.local_rank())
-    checkpointer = Checkpointer(spec, job_name(), hvd.rank())
+    checkpointer = Checkpointer(spec, job_name(), hvd.rank(), sinks=sinks if hvd.rank() == 0 else None)
     restored_step = None
     if os.environ.get("ELASTICYOLO_RESTORE") == "1":
         # A freshly started world (e.g. after leader loss): resume from the newest snapshot.
@@ -217,6 +217,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
                     optimizer_digest=optimizer_state_digest(core.optimizer.state_dict()))
         log.info("training", rank=core.rank, world=core.world, epoch=core.progress.epoch, step=core.progress.step)
         checkpointer.rank = core.rank
+        checkpointer.sinks = list(sinks or []) if core.rank == 0 else []
         hooks = HorovodHooks(state, core, snapshots=snapshots, checkpointer=checkpointer)
         loop = TrainingLoop(core, hooks=hooks, sinks=sinks if core.rank == 0 else [], trace=trace)
         return loop.run()
