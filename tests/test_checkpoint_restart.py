@@ -7,6 +7,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+import torch
 
 from elasticyolo.checkpoint import open_store, read_latest, restore_latest
 from elasticyolo.data.synth import SynthSpec, write_dataset
@@ -24,7 +25,7 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
     uri = f"s3://{BUCKET}/jobs"
     data = write_dataset(tmp_path / "data", SynthSpec(train=32, val=8, imgsz=64, classes=2))
     args = [f"data={data}", "model=yolov8n.yaml", "epochs=4", "imgsz=64", "batch=4", "nbs=4", "val=false",
-            "close_mosaic=0", "warmup_epochs=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
+            "close_mosaic=4", "warmup_epochs=1", "scale=0", "translate=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
     env = {**s3_server.env(), "ELASTICYOLO_JOB": "restart"}
     store = open_store(uri)
 
@@ -40,10 +41,10 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
     assert saved is not None
     ckpt, manifest = restore_latest(store, "restart")  # type: ignore[misc]
     assert manifest.step == saved.step
-    from elasticyolo.train.digest import optimizer_state_digest
+    from elasticyolo.train.digest import optimizer_state_digest, params_digest
 
     saved_opt = optimizer_state_digest(ckpt["optimizer"])
-    first_losses = [e["loss"] for e in first.steps() if e["step"] <= 2]
+    saved_params = params_digest(model_from(ckpt))
 
     (tmp_path / "run2").mkdir()
     second = HorovodElasticJob(tmp_path / "run2", ["localhost:1"], args, env=env).start()
@@ -55,14 +56,23 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
     events = second.events()
     resume = next(e for e in events if e["ev"] == "resume")
     assert (resume["step"], resume["epoch"]) == (saved.step, saved.epoch)
+    # The loss curve continues from exactly the saved weights and optimizer state (the loss
+    # itself is too noisy at this size to compare: augmentation draws differ between runs).
+    assert resume["params_digest"] == pytest.approx(saved_params, rel=1e-9)
     assert resume["optimizer_digest"] == pytest.approx(saved_opt, rel=1e-9)
     steps = [e for e in events if e["ev"] == "step"]
     assert steps[0]["step"] == saved.step + 1  # continues right after the saved step
-    # The loss curve continues: the resumed run does not start over at the first steps' loss.
-    resumed_losses = [e["loss"] for e in steps[:3]]
-    assert sum(resumed_losses) / len(resumed_losses) < sum(first_losses) / len(first_losses)
     final = read_latest(store, "restart")
     assert final is not None and final.epoch_end and final.step > saved.step
+
+
+def model_from(ckpt: dict) -> torch.nn.Module:
+    """The checkpoint's full-precision training weights in a fresh model of the same shape."""
+    from ultralytics.nn.tasks import DetectionModel
+
+    model = DetectionModel("yolov8n.yaml", nc=2, ch=3, verbose=False)
+    model.load_state_dict(ckpt["elasticyolo"]["model"])
+    return model
 
 
 def _alive(pid: int) -> bool:
