@@ -18,7 +18,7 @@ import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.trace import coverage_by_epoch
+from elasticyolo.testing.trace import assert_each_epoch_exactly_once
 from elasticyolo.train.policy import nominal_accumulate, resize_ramp
 
 N_TRAIN = 24
@@ -80,10 +80,7 @@ def assert_ramp(steps: list[dict], old: float, new: float) -> None:
 
 
 def assert_exactly_once(events: list[dict], epochs: int) -> None:
-    cov = coverage_by_epoch(events)
-    assert sorted(cov) == list(range(epochs))
-    for epoch, indices in cov.items():
-        assert sorted(indices) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"
+    assert_each_epoch_exactly_once(events, epochs, N_TRAIN)
 
 
 def test_agent_killed_world_shrinks_then_new_agent_grows_it(cluster: AgentCluster, dataset: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.testing.horovod_run import HorovodElasticJob
-from elasticyolo.testing.trace import coverage_by_epoch
+from elasticyolo.testing.trace import assert_each_epoch_exactly_once
 from elasticyolo.train.policy import resize_ramp
 
 N_TRAIN = 48
@@ -54,10 +54,7 @@ def job_factory(tmp_path: Path) -> Iterator:
 
 
 def assert_exactly_once(events: list[dict], epochs: int) -> None:
-    cov = coverage_by_epoch(events)
-    assert sorted(cov) == list(range(epochs))
-    for epoch, indices in cov.items():
-        assert sorted(indices) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"
+    assert_each_epoch_exactly_once(events, epochs, N_TRAIN)
 
 
 def test_sigkill_worker_mid_epoch_survivor_continues(dataset: Path, job_factory) -> None:  # type: ignore[no-untyped-def]

@@ -57,3 +57,11 @@ def pids_by_rank(events: list[dict[str, Any]]) -> dict[int, int]:
     for pid, e in sorted(latest.items(), key=lambda kv: kv[1]["t"]):
         out[e["rank"]] = pid
     return out
+
+
+def assert_each_epoch_exactly_once(events: list[dict[str, Any]], epochs: int, num_samples: int) -> None:
+    """Every epoch trained every sample index exactly once, counting only committed work."""
+    cov = coverage_by_epoch(events)
+    assert sorted(cov) == list(range(epochs)), f"epochs trained: {sorted(cov)}"
+    for epoch, indices in cov.items():
+        assert sorted(indices) == list(range(num_samples)), f"epoch {epoch}: duplicates or gaps"

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from elasticyolo.cluster import env_client
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines.horovod.drain import quiesce_ack_key, quiesce_key, read_json, resume_key
@@ -36,14 +37,7 @@ class QuiesceInterrupt(Exception):
 
 
 def client_from_env() -> tuple[EtcdClient, JobKeys] | None:
-    endpoints, job = os.environ.get("ELASTICYOLO_ETCD"), os.environ.get("ELASTICYOLO_JOB")
-    if not endpoints or not job:
-        return None
-    env = os.environ.get
-    client = EtcdClient(endpoints, ca_cert=env("ELASTICYOLO_ETCD_CA"), cert_cert=env("ELASTICYOLO_ETCD_CERT"),
-                        cert_key=env("ELASTICYOLO_ETCD_KEY"), user=env("ELASTICYOLO_ETCD_USER"),
-                        password=env("ELASTICYOLO_ETCD_PASSWORD"), timeout=1.0, retry_window=1.0)
-    return client, JobKeys(job)
+    return env_client.client_from_env(timeout=1.0)
 
 
 class QuiescePoller:

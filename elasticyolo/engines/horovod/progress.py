@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from elasticyolo.cluster.env_client import client_from_env
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.errors import UnavailableError
@@ -44,14 +45,8 @@ class EtcdProgress:
 
     @classmethod
     def from_env(cls) -> "EtcdProgress | None":
-        endpoints, job = os.environ.get("ELASTICYOLO_ETCD"), os.environ.get("ELASTICYOLO_JOB")
-        if not endpoints or not job:
-            return None
-        env = os.environ.get
-        client = EtcdClient(endpoints, ca_cert=env("ELASTICYOLO_ETCD_CA"), cert_cert=env("ELASTICYOLO_ETCD_CERT"),
-                            cert_key=env("ELASTICYOLO_ETCD_KEY"), user=env("ELASTICYOLO_ETCD_USER"),
-                            password=env("ELASTICYOLO_ETCD_PASSWORD"), timeout=2.0, retry_window=2.0)
-        return cls(client, JobKeys(job))
+        found = client_from_env(timeout=2.0)
+        return cls(*found) if found is not None else None
 
     def __call__(self, rec: dict[str, Any]) -> None:
         if rec.get("kind") == "checkpoint":

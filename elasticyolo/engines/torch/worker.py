@@ -38,6 +38,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
+from elasticyolo.train.digest import params_digest
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
 from elasticyolo.train.state import (
@@ -326,12 +327,6 @@ def _proc_start() -> float | None:
         return float(psutil.Process().create_time())
     except Exception:  # noqa: BLE001 - diagnostics only
         return None
-
-
-def params_digest(model: torch.nn.Module) -> float:
-    """A cheap fingerprint of the parameters, to show ranks hold identical weights."""
-    with torch.no_grad():
-        return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(model.parameters())))
 
 
 def main() -> None:
