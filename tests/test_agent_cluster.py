@@ -85,6 +85,8 @@ def test_join_kill_member_kill_leader(etcd_server: EtcdCluster, job_name: str, a
         failover = time.monotonic() - t0
         wait_for(lambda: leader not in nodes_in_etcd(e, job_name), TTL + 2, "the dead leader's node to expire")
         assert new_leader in by_id and by_id[new_leader].proc.poll() is None  # type: ignore[union-attr]
+        # The monitor samples on its own thread: let it observe the new leader too.
+        wait_for(lambda: new_leader in monitor.leaders_seen, 5, "the monitor to see the new leader")
     assert monitor.samples > 50, "the leader monitor did not run"
     assert monitor.violations == []
     assert monitor.leaders_seen == [leader, new_leader]
