@@ -8,6 +8,8 @@ from typing import Iterator
 
 import pytest
 
+from elasticyolo.testing.agent_cluster import AgentCluster
+from elasticyolo.testing.metadata_server import MetadataServer
 from elasticyolo.testing.servers import EtcdCluster, S3Server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,3 +46,19 @@ def s3_server() -> Iterator[S3Server]:
 def job_name(request: pytest.FixtureRequest) -> str:
     """A job name unique to the test, so tests can share one etcd."""
     return "t-" + request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40].lower()
+
+
+@pytest.fixture
+def md() -> Iterator[MetadataServer]:
+    """A local cloud-metadata server (AWS, GCP, Azure APIs) on 127.0.0.1."""
+    with MetadataServer() as server:
+        yield server
+
+
+@pytest.fixture
+def cluster(etcd_server: EtcdCluster, job_name: str, tmp_path: Path) -> Iterator[AgentCluster]:
+    """Local agents for one job on the shared etcd, stopped (workers too) after the test."""
+    c = AgentCluster(etcd_server.endpoints, job_name, tmp_path,
+                     env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_SNAPSHOT_S": "2"})
+    yield c
+    c.stop()

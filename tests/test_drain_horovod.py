@@ -34,14 +34,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def cluster(etcd_server: Any, job_name: str, tmp_path: Path) -> Iterator[AgentCluster]:
-    c = AgentCluster(etcd_server.endpoints, job_name, tmp_path,
-                     env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_SNAPSHOT_S": "2"})
-    yield c
-    c.stop()
-
-
-@pytest.fixture
 def metadata() -> Iterator[MetadataServer]:
     with MetadataServer() as md:
         yield md

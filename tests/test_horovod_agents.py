@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -30,14 +30,6 @@ START_S, STEP_S = 240, 180
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("data"), SynthSpec(train=N_TRAIN, val=4, imgsz=64, classes=2))
-
-
-@pytest.fixture
-def cluster(etcd_server: Any, job_name: str, tmp_path: Path) -> Iterator[AgentCluster]:
-    c = AgentCluster(etcd_server.endpoints, job_name, tmp_path,
-                     env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_SNAPSHOT_S": "2"})
-    yield c
-    c.stop()
 
 
 def spec(data: Path, epochs: int) -> list[str]:

@@ -22,12 +22,6 @@ def _loopback() -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def md() -> Iterator[MetadataServer]:
-    with MetadataServer() as server:
-        yield server
-
-
 class Collector:
     def __init__(self) -> None:
         self.notices: list[Notice] = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Iterator
 
@@ -14,6 +13,8 @@ from elasticyolo.spot.azure import AzureSource
 from elasticyolo.spot.notice import parse_rfc1123
 from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 
+from spot_support import Collector
+
 POLL = 0.1
 
 
@@ -21,30 +22,6 @@ POLL = 0.1
 def _loopback() -> Iterator[None]:
     with loopback_only():
         yield
-
-
-@pytest.fixture
-def md() -> Iterator[MetadataServer]:
-    with MetadataServer() as server:
-        yield server
-
-
-class Collector(list):  # type: ignore[type-arg]
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, notice: Notice) -> None:
-        with self.lock:
-            self.append(notice)
-            self.times.append(time.monotonic())
-
-    def wait(self, n: int = 1, timeout: float = 5.0) -> list[Notice]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and len(self) < n:
-            time.sleep(0.01)
-        return list(self)
 
 
 def test_preempt_then_acknowledge(md: MetadataServer) -> None:

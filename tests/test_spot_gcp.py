@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Iterator
 
@@ -13,35 +12,13 @@ from elasticyolo.spot import Notice, NoticeWatcher, make_watcher
 from elasticyolo.spot.gcp import GcpSource
 from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 
+from spot_support import Collector
+
 
 @pytest.fixture(autouse=True)
 def _loopback() -> Iterator[None]:
     with loopback_only():
         yield
-
-
-@pytest.fixture
-def md() -> Iterator[MetadataServer]:
-    with MetadataServer() as server:
-        yield server
-
-
-class Collector(list):  # type: ignore[type-arg]
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, notice: Notice) -> None:
-        with self.lock:
-            self.append(notice)
-            self.times.append(time.monotonic())
-
-    def wait(self, n: int = 1, timeout: float = 5.0) -> list[Notice]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and len(self) < n:
-            time.sleep(0.01)
-        return list(self)
 
 
 def test_preempt_arrives_at_once_through_long_poll(md: MetadataServer) -> None:

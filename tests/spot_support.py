@@ -1,0 +1,26 @@
+"""Shared by the spot-watcher tests: collects delivered notices with their arrival times."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from elasticyolo.spot import Notice
+
+
+class Collector(list):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, notice: Notice) -> None:
+        with self.lock:
+            self.append(notice)
+            self.times.append(time.monotonic())
+
+    def wait(self, n: int = 1, timeout: float = 5.0) -> list[Notice]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and len(self) < n:
+            time.sleep(0.01)
+        return list(self)
