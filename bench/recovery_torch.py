@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.agent.testing import AgentProcess
+from elasticyolo.testing.agents import AgentProcess
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.jobs import submit_spec
 from elasticyolo.cluster.keys import JobKeys
@@ -124,7 +124,7 @@ class Torchrun(Scenario):
         cmd = [TORCHRUN, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
                "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=100", f"--monitor-interval={MONITOR}",
                "--local-addr=127.0.0.1", f"--rdzv-conf={RDZV_CONF}",
-               "-m", "elasticyolo.engines.torch.lifeline", "elasticyolo.engines.torch.worker"]
+               "-m", "elasticyolo.engines.lifeline", "elasticyolo.engines.torch.worker"]
         log = open(self.tmp / f"torchrun-{node}.log", "ab")
         self.procs[node] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                             start_new_session=True)

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 
-from elasticyolo.agent.testing import (ELASTICYOLO, AgentProcess, LeaderMonitor, leader_in_etcd, nodes_in_etcd,
+from elasticyolo.testing.agents import (ELASTICYOLO, AgentProcess, LeaderMonitor, leader_in_etcd, nodes_in_etcd,
                                        wait_for)
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys

@@ -11,7 +11,7 @@ from pathlib import Path
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.engines.horovod.progress import EtcdProgress
+from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.spec import TrainSpec
 from elasticyolo.testing.horovod_run import wait_until
 from elasticyolo.testing.servers import EtcdCluster

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from elasticyolo.agent.testing import ELASTICYOLO
+from elasticyolo.testing.agents import ELASTICYOLO
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.registry import NodeRecord

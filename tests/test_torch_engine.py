@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from elasticyolo.agent.testing import AgentProcess, wait_for  # noqa: E402
+from elasticyolo.testing.agents import AgentProcess, wait_for  # noqa: E402
 from elasticyolo.cluster.etcd import EtcdClient  # noqa: E402
 from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402

@@ -103,10 +103,10 @@ def test_checkpoint_file_loads_with_yolo_and_resumes(spec: TrainSpec, tmp_path: 
 def test_parse_conf_and_no_torch_in_the_agent() -> None:
     import subprocess
 
-    from elasticyolo.engines.torch.agent_hook import parse_conf
+    from elasticyolo.engines.torch.node import parse_conf
 
     assert parse_conf("last_call_timeout=1,keep_alive_interval=1.5,key_prefix=/x,") == {
         "last_call_timeout": 1, "keep_alive_interval": 1.5, "key_prefix": "/x"}
-    code = ("import sys, elasticyolo.commands.agent, elasticyolo.engines.torch.agent_hook, elasticyolo.agent.daemon;"
+    code = ("import sys, elasticyolo.commands.agent, elasticyolo.engines.torch.node, elasticyolo.agent.daemon;"
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

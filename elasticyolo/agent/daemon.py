@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from elasticyolo import __version__
-from elasticyolo.agent.hooks import AgentHooks
+from elasticyolo.agent.plugin import AgentHooks
 from elasticyolo.agent.metrics import AgentMetrics
 from elasticyolo.agent.sd_notify import SystemdNotifier
 from elasticyolo.agent.state import NodeState, Observation, Transition, decide

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.agent.hooks import AgentHooks
+from elasticyolo.agent.plugin import AgentHooks
 from elasticyolo.agent.state import NodeState, Transition
 from elasticyolo.log import get_logger
 from elasticyolo.spot.factory import make_watcher

@@ -62,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_agent_config(args.config, {name: getattr(args, name) for name in _FLAG_FIELDS})
     log.configure(cfg.log_level)
-    from elasticyolo.engines.torch.agent_hook import TorchEngineHook  # torch-free; acts on engine=torch jobs
+    from elasticyolo.engines.torch.node import TorchEngineHook  # torch-free; acts on engine=torch jobs
 
-    from elasticyolo.engines.horovod.agent_hooks import HorovodEngineHooks  # torch-free; engine=horovod jobs
+    from elasticyolo.engines.horovod.node import HorovodEngineHooks  # torch-free; engine=horovod jobs
 
     from elasticyolo.agent.drain import SpotDrain
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         if args.progress_jsonl:
             sinks.append(JsonLines(open(args.progress_jsonl, "a")))
         if os.environ.get("ELASTICYOLO_ETCD_PROGRESS") == "1":
-            from elasticyolo.engines.horovod.progress import EtcdProgress
+            from elasticyolo.engines.progress import EtcdProgress
 
             sink = EtcdProgress.from_env()
             if sink is not None:

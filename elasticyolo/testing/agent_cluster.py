@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from elasticyolo.agent.testing import ELASTICYOLO, AgentProcess, leader_in_etcd, nodes_in_etcd, wait_for
+from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, leader_in_etcd, nodes_in_etcd, wait_for
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.testing.trace import pids_by_rank, read_trace

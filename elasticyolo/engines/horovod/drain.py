@@ -39,7 +39,7 @@ from elasticyolo.log import get_logger
 
 if TYPE_CHECKING:
     from elasticyolo.agent.daemon import Agent
-    from elasticyolo.engines.horovod.agent_hooks import HorovodEngineHooks
+    from elasticyolo.engines.horovod.node import HorovodEngineHooks
 
 # A draining worker gets this long between SIGTERM and SIGKILL (launcher.KILL_GRACE_S) before the
 # deadline, so the kill starts this much earlier.

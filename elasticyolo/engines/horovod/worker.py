@@ -20,9 +20,9 @@ import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from elasticyolo.engines.horovod.drain_worker import QuiesceInterrupt, QuiescePoller, hold_until_stopped
+from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
 
-from elasticyolo.engines.horovod.snapshot import LocalSnapshots, restore_newest, snapshot_dir
+from elasticyolo.train.snapshots import LocalSnapshots, restore_newest, snapshot_dir
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.checkpointing import Checkpointer, job_name

@@ -2,7 +2,7 @@
 rendezvous, running `elasticyolo.engines.torch.worker` in `nproc_per_node` workers.
 
 Started by the elasticyolo agent's torch hook as
-`python -m elasticyolo.engines.torch.lifeline elasticyolo.engines.torch.launcher` with its
+`python -m elasticyolo.engines.lifeline elasticyolo.engines.torch.launcher` with its
 configuration in `$ELASTICYOLO_TORCH_LAUNCH` (JSON; see `LaunchSettings`). It runs on this
 process's main thread, so torch's SIGTERM handling works: SIGTERM stops the workers and leaves
 the rendezvous open for the other nodes (torch closes it only when the job ends).
@@ -47,7 +47,7 @@ class LaunchSettings:
 
 def worker_command() -> list[str]:
     """The worker as a module run through `lifeline` (dies when this agent dies)."""
-    return ["-m", "elasticyolo.engines.torch.lifeline", "elasticyolo.engines.torch.worker"]
+    return ["-m", "elasticyolo.engines.lifeline", "elasticyolo.engines.torch.worker"]
 
 
 def _register_etcd3() -> None:

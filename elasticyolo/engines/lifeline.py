@@ -1,4 +1,4 @@
-"""Die with the parent: `python -m elasticyolo.engines.torch.lifeline MODULE [ARGS...]`.
+"""Die with the parent: `python -m elasticyolo.engines.lifeline MODULE [ARGS...]`.
 
 torch elastic's agent does not kill its workers when the agent itself is SIGKILLed, and it starts
 them in their own sessions, so killing a process group does not reach them either. Asking the
@@ -35,7 +35,7 @@ def die_with_parent() -> None:
 def main() -> None:
     die_with_parent()
     if len(sys.argv) < 2:
-        print("usage: python -m elasticyolo.engines.torch.lifeline MODULE [ARGS...]", file=sys.stderr)
+        print("usage: python -m elasticyolo.engines.lifeline MODULE [ARGS...]", file=sys.stderr)
         sys.exit(2)
     module = sys.argv[1]
     sys.argv = [module, *sys.argv[2:]]

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.agent.hooks import AgentHooks
+from elasticyolo.agent.plugin import AgentHooks
 from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.etcd import EtcdError
 from elasticyolo.errors import UnavailableError

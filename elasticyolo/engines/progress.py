@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from elasticyolo.cluster.env_client import client_from_env
+from elasticyolo.engines.worker_env import client_from_env
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.errors import UnavailableError

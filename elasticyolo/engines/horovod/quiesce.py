@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from elasticyolo.cluster import env_client
+from elasticyolo.engines import worker_env as env_client
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines.horovod.drain import quiesce_ack_key, quiesce_key, read_json, resume_key

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.agent.hooks import AgentHooks
+from elasticyolo.agent.plugin import AgentHooks
 from elasticyolo.agent.state import NodeState, Transition
 from elasticyolo.cluster.etcd import b64
 from elasticyolo.cluster.keys import ACTIVE_JOB_STATES, JOB_DONE
@@ -263,7 +263,7 @@ class TorchEngineHook(AgentHooks):
         env = {**os.environ, **self._etcd_env(), "ELASTICYOLO_SPEC": spec.to_json(), "ELASTICYOLO_JOB": self.cfg.job,
                "ELASTICYOLO_NODE_ID": self.cfg.node_id, "ELASTICYOLO_SNAPSHOT_DIR": str(snap),
                "ELASTICYOLO_TORCH_LAUNCH": settings.to_json(), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "elasticyolo.engines.torch.lifeline", "elasticyolo.engines.torch.launcher"]
+        cmd = [sys.executable, "-m", "elasticyolo.engines.lifeline", "elasticyolo.engines.torch.launcher"]
         try:
             self._proc = LauncherProcess(generation, cmd, env, on_exit=agent.wake)
         except OSError as exc:
