@@ -7,7 +7,7 @@ step, and from a node's start to the first step with it, for
 * `torchrun-c10d-noshare` - the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch's own
                    workaround for the scale-up hang).
 
-All run the same worker (`elasticyolo.engines.torch.worker`: yolov8n on generated 64 px images,
+All run the same worker (`elasticyolo worker`, engine=torch: yolov8n on generated 64 px images,
 batch 4 per worker, gloo on loopback), one worker per node, the same rendezvous timeouts
 (last_call 1 s, keep-alive 1 s x 4) and monitor interval (0.3 s). Schedule per run: nodes A and B
 train at world 2; B's agent is SIGKILLed (never the c10d store's host: that kills the c10d job);
@@ -92,7 +92,7 @@ class Elasticyolo(Scenario):
         submit_spec(client, JobKeys(self.job), spec_for(data), by="bench", replace=True)
         self.env = {k: v for k, v in base_env(self.trace).items() if k not in os.environ or k.startswith(
             ("ELASTICYOLO", "OMP", "MASTER", "GLOO", "PYTHON"))}
-        self.env.update(ELASTICYOLO_SNAPSHOT_DIR=str(tmp / "snap"), ELASTICYOLO_TORCH_RDZV_CONF=RDZV_CONF,
+        self.env.update(ELASTICYOLO_WORK_DIR=str(tmp / "nodes"), ELASTICYOLO_TORCH_RDZV_CONF=RDZV_CONF,
                         ELASTICYOLO_TORCH_MONITOR_INTERVAL=MONITOR)
         self.agents: dict[str, AgentProcess] = {}
 
@@ -118,13 +118,13 @@ class Torchrun(Scenario):
     def start(self, node: str) -> None:
         env = base_env(self.trace)
         env.update(ELASTICYOLO_SPEC=self.spec.to_json(), ELASTICYOLO_JOB="bench-torchrun", ELASTICYOLO_NODE_ID=node,
-                   ELASTICYOLO_SNAPSHOT_DIR=str(self.tmp / "snap" / node))
+                   ELASTICYOLO_WORKER_DIR=str(self.tmp / "nodes" / node))
         if not self.share_store:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [TORCHRUN, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
                "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=100", f"--monitor-interval={MONITOR}",
                "--local-addr=127.0.0.1", f"--rdzv-conf={RDZV_CONF}",
-               "-m", "elasticyolo.engines.lifeline", "elasticyolo.engines.torch.worker"]
+               "-m", "elasticyolo.engines.lifeline", "elasticyolo.cli", "worker"]
         log = open(self.tmp / f"torchrun-{node}.log", "ab")
         self.procs[node] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                             start_new_session=True)

@@ -15,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from elasticyolo.cluster.etcd import parse_endpoints
 from elasticyolo.cluster.keys import check_job_name, check_node_id
+from elasticyolo.engines.worker_env import DEFAULT_WORK_ROOT
 from elasticyolo.errors import UserError
 from elasticyolo.spec import TrainSpec
+from elasticyolo.spot.providers import PROVIDERS, check_provider
 
 DEFAULT_CONFIG_PATH = "/etc/elasticyolo/agent.yaml"
 
@@ -58,9 +60,10 @@ class AgentConfig(BaseModel):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_addr: str = "127.0.0.1"
     log_level: str = "info"
+    work_dir: str = Field(DEFAULT_WORK_ROOT, description="node-local files of the jobs: snapshots, worker cwd")
 
     # spot interruption notices (elasticyolo/spot, agent/drain.py)
-    spot_provider: str = Field("none", description="aws, gcp, azure, auto or none")
+    spot_provider: str = Field("none", description=" | ".join(PROVIDERS))
     metadata_url: str | None = Field(None, description="metadata base URL (tests: http://127.0.0.1:PORT)")
     notice_file: str | None = Field(None, description="a file whose appearance is a notice")
     spot_poll_interval: float | None = Field(None, gt=0, le=60)
@@ -119,9 +122,7 @@ class AgentConfig(BaseModel):
     @field_validator("spot_provider")
     @classmethod
     def _provider_ok(cls, v: str) -> str:
-        if v.lower() not in ("aws", "gcp", "azure", "none", "auto"):
-            raise ValueError("expected aws, gcp, azure, auto or none")
-        return v.lower()
+        return check_provider(v)
 
     @field_validator("metrics_addr")
     @classmethod

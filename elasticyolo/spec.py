@@ -51,7 +51,7 @@ class TrainSpec(BaseModel):
     hyp: dict[str, float] = Field(default_factory=dict, description="Ultralytics augmentation/loss keys")
 
     # Elasticity.
-    engine: Literal["horovod", "torch"] = "horovod"
+    engine: str = Field("horovod", description="horovod, torch, or a registered engine (engines/registry.py)")
     policy: Literal["linear", "constant_global_batch"] = "linear"
     ref_world: int = Field(1, ge=1, description="world size lr0 (and the global batch) is tuned for")
     resize_warmup_steps: int = Field(20, ge=0, description="LR ramp after a resize (linear policy)")
@@ -78,6 +78,13 @@ class TrainSpec(BaseModel):
         from elasticyolo.models import check_model_name
 
         return check_model_name(v)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_known(cls, v: str) -> str:
+        from elasticyolo.engines.registry import check_engine_name
+
+        return check_engine_name(v)
 
     @field_validator("hyp")
     @classmethod

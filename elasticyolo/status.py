@@ -43,7 +43,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     ranges.append({"request_range": {"key": b64(keys.nodes), "range_end": b64(prefix_range_end(keys.nodes))}})
     ranges.append({"request_range": {"key": b64(keys.events), "range_end": b64(prefix_range_end(keys.events)),
                                      "limit": EVENTS_SCANNED, "sort_order": "DESCEND", "sort_target": "KEY"}})
-    ranges.append({"request_range": {"key": b64(keys.prefix + "resume")}})
+    ranges.append({"request_range": {"key": b64(keys.resume)}})
     result = client.txn([], ranges, [])
     responses = result.get("responses") or []
     values: dict[str, tuple[Any, int] | None] = {}

@@ -6,6 +6,7 @@ import threading
 import time
 
 from elasticyolo.spot import Notice
+from elasticyolo.testing.wait import wait_for
 
 
 class Collector(list):  # type: ignore[type-arg]
@@ -20,7 +21,5 @@ class Collector(list):  # type: ignore[type-arg]
             self.times.append(time.monotonic())
 
     def wait(self, n: int = 1, timeout: float = 5.0) -> list[Notice]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and len(self) < n:
-            time.sleep(0.01)
-        return list(self)
+        """The notices once at least `n` arrived (AssertionError after `timeout`)."""
+        return wait_for(lambda: list(self) if len(self) >= n else None, timeout, f"{n} notice(s)", interval=0.01)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from elasticyolo.agent.sd_notify import SystemdNotifier
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, wait_for
+from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess
+from elasticyolo.testing.wait import wait_for
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.testing.servers import EtcdCluster, free_port

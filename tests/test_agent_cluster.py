@@ -17,11 +17,11 @@ from typing import Iterator
 
 import pytest
 
-from elasticyolo.testing.agents import (ELASTICYOLO, AgentProcess, LeaderMonitor, leader_in_etcd, nodes_in_etcd,
-                                       wait_for)
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, LeaderMonitor, leader_in_etcd, nodes_in_etcd
 from elasticyolo.testing.servers import EtcdCluster, free_port
+from elasticyolo.testing.wait import wait_for
 
 TTL = 2
 

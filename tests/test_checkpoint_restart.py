@@ -11,8 +11,9 @@ import torch
 
 from elasticyolo.checkpoint import open_store, read_latest, restore_latest
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.horovod_run import HorovodElasticJob, wait_until
+from elasticyolo.testing.horovod_run import HorovodElasticJob
 from elasticyolo.testing.servers import S3Server
+from elasticyolo.testing.wait import wait_for
 
 BUCKET = "ckpt-restart"
 
@@ -36,7 +37,7 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
                        "a checkpoint at step >= 9 in S3")
     finally:
         first.stop()  # SIGKILL horovodrun and every worker: nothing survives in memory
-    wait_until(lambda: not any(_alive(e["pid"]) for e in first.events()), 20, "every worker gone")
+    wait_for(lambda: not any(_alive(e["pid"]) for e in first.events()), 20, "every worker gone")
     saved = read_latest(store, "restart")
     assert saved is not None
     ckpt, manifest = restore_latest(store, "restart")  # type: ignore[misc]

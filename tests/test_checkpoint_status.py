@@ -13,8 +13,8 @@ from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.horovod_run import wait_until
 from elasticyolo.testing.servers import EtcdCluster
+from elasticyolo.testing.wait import wait_for
 from elasticyolo.train.checkpointing import Checkpointer
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
 
@@ -40,5 +40,5 @@ def test_landed_checkpoint_reaches_status(tmp_path: Path, etcd_server: EtcdClust
         view = json.loads(out.stdout)
         return view.get("last_checkpoint") if (view.get("last_checkpoint") or {}).get("step") == 1 else None
 
-    last = wait_until(shown, 10, "status to show the checkpoint")
+    last = wait_for(shown, 10, "status to show the checkpoint")
     assert last["epoch"] == 0 and last["size"] > 1_000_000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from elasticyolo.testing.agents import wait_for
+from elasticyolo.testing.wait import wait_for
 from elasticyolo.cluster.election import LeaderElection, read_leader
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys

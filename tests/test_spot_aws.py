@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
-from elasticyolo.spot import Notice, make_watcher
+from elasticyolo.spot import make_watcher
 from elasticyolo.spot.aws import AwsSource
 from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 from elasticyolo.testing.servers import free_port
+from elasticyolo.testing.wait import wait_for
+from spot_support import Collector
 
 POLL = 0.1
 
@@ -22,40 +23,13 @@ def _loopback() -> Iterator[None]:
         yield
 
 
-class Collector:
-    def __init__(self) -> None:
-        self.notices: list[Notice] = []
-        self.times: list[float] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, notice: Notice) -> None:
-        with self.lock:
-            self.notices.append(notice)
-            self.times.append(time.monotonic())
-
-    def wait(self, n: int = 1, timeout: float = 5.0) -> list[Notice]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and len(self.notices) < n:
-            time.sleep(0.01)
-        return list(self.notices)
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_no_notice_then_one_terminate_within_a_poll(md: MetadataServer) -> None:
     w = make_watcher("aws", md.url, poll_interval_s=POLL, timeout_s=0.5)
     got = Collector()
     w.start(got)
     try:
         time.sleep(0.4)
-        assert got.notices == []
+        assert list(got) == []
         announced_at = time.monotonic()
         md.announce("aws", action="terminate", in_s=120)
         expected_deadline = time.time() + 120
@@ -66,7 +40,7 @@ def test_no_notice_then_one_terminate_within_a_poll(md: MetadataServer) -> None:
         assert abs(n.deadline - expected_deadline) <= 1.5  # AWS times have 1 s resolution
         assert got.times[0] - announced_at < POLL + 1.0  # slack for a loaded 2-core box
         time.sleep(5 * POLL)  # the server keeps announcing: still delivered once
-        assert len(got.notices) == 1
+        assert len(got) == 1
         assert w.notices == notices
     finally:
         w.stop()
@@ -150,7 +124,7 @@ def test_connection_refused_until_server_appears() -> None:
     got = Collector()
     w.start(got)
     try:
-        assert wait_until(lambda: w.status()["sources"]["aws"]["failures"] >= 2)
+        wait_for(lambda: w.status()["sources"]["aws"]["failures"] >= 2, 5, "two failed polls")
         with MetadataServer(port=port) as md:
             md.announce("aws", in_s=120)
             assert len(got.wait(1)) == 1

@@ -13,19 +13,13 @@ import pytest
 from elasticyolo.spot import Notice, NoticeWatcher, make_watcher
 from elasticyolo.spot.base import MetadataError, NoticeSource
 from elasticyolo.spot.local import FileSource
+from spot_support import Collector
 
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def wait_len(items: list[Notice], n: int, timeout: float = 5.0) -> list[Notice]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and len(items) < n:
-        time.sleep(0.01)
-    return list(items)
 
 
 def test_file_source_deadline_and_once(tmp_path: Path) -> None:
@@ -53,14 +47,14 @@ def test_empty_file_uses_default_deadline(tmp_path: Path) -> None:
 
 def test_file_watcher_threaded(tmp_path: Path) -> None:
     path = tmp_path / "notice"
-    got: list[Notice] = []
+    got = Collector()
     w = make_watcher("none", notice_file=str(path), poll_interval_s=0.05)
-    w.start(got.append)
+    w.start(got)
     try:
         time.sleep(0.2)
         assert got == []
         write_atomic(path, "")
-        assert len(wait_len(got, 1)) == 1
+        assert len(got.wait(1)) == 1
         time.sleep(0.2)
         assert len(got) == 1
     finally:
@@ -68,14 +62,14 @@ def test_file_watcher_threaded(tmp_path: Path) -> None:
 
 
 def test_sigterm_becomes_one_notice() -> None:
-    got: list[Notice] = []
+    got = Collector()
     w = make_watcher("none", signal_deadline_s=20)
     previous = w.install_signal_handlers([signal.SIGTERM])
     try:
-        w.start(got.append)
+        w.start(got)
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
-        [n] = wait_len(got, 1)
+        [n] = got.wait(1)
         time.sleep(0.1)
         assert len(got) == 1
         assert (n.kind, n.raw, n.drain) == ("signal", {"signal": "SIGTERM"}, True)
@@ -116,10 +110,10 @@ class Flaky(NoticeSource):
 
 
 def test_errors_and_bad_callbacks_are_not_fatal() -> None:
-    got: list[Notice] = []
+    got = Collector()
 
     def cb(n: Notice) -> None:
-        got.append(n)
+        got(n)
         if n.key == "a":
             raise ValueError("callback bug")
 
@@ -127,7 +121,7 @@ def test_errors_and_bad_callbacks_are_not_fatal() -> None:
     w.start(cb)
     threads = list(w._threads)
     try:
-        assert [n.key for n in wait_len(got, 2)] == ["a", "b"]
+        assert [n.key for n in got.wait(2)] == ["a", "b"]
         assert w.status()["sources"]["flaky"]["failures"] == 0
     finally:
         w.stop()

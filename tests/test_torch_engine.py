@@ -16,13 +16,14 @@ import pytest
 
 pytest.importorskip("torch")
 
-from elasticyolo.testing.agents import AgentProcess, wait_for  # noqa: E402
+from elasticyolo.testing.agents import AgentProcess  # noqa: E402
 from elasticyolo.cluster.etcd import EtcdClient  # noqa: E402
 from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
 from elasticyolo.testing.trace import read_trace  # noqa: E402
+from elasticyolo.testing.wait import wait_for  # noqa: E402
 
 N_TRAIN = 32
 # Short rendezvous timeouts: a dead node leaves after keep_alive_interval * max_attempt seconds.
@@ -51,7 +52,7 @@ class TorchJob:
         self.keys = JobKeys(job)
         self.trace_dir = tmp / "trace"
         self.agents: dict[str, AgentProcess] = {}
-        self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_SNAPSHOT_DIR": str(tmp / "snap"),
+        self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_WORK_DIR": str(tmp / "nodes"),
                     "ELASTICYOLO_TORCH_RDZV_CONF": RDZV_CONF, "ELASTICYOLO_TORCH_MONITOR_INTERVAL": "0.3",
                     "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
 

@@ -52,7 +52,7 @@ def assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_core_state_round_trip_through_a_local_snapshot(spec: TrainSpec, tmp_path: Path) -> None:
-    from elasticyolo.engines.torch.worker import LocalSnapshots
+    from elasticyolo.train.snapshots import LocalSnapshots
     from elasticyolo.train.core import TrainCore
     from elasticyolo.train.state import core_state, load_core_state
 
@@ -73,11 +73,11 @@ def test_core_state_round_trip_through_a_local_snapshot(spec: TrainSpec, tmp_pat
 
 
 def test_torn_snapshot_reads_as_none(tmp_path: Path) -> None:
-    from elasticyolo.train.state import read_state_file
+    from elasticyolo.train.snapshots import read_snapshot
 
     (tmp_path / "state.pt").write_bytes(b"\x80\x02garbage")
-    assert read_state_file(tmp_path / "state.pt") is None
-    assert read_state_file(tmp_path / "missing.pt") is None
+    assert read_snapshot(tmp_path / "state.pt") is None
+    assert read_snapshot(tmp_path / "missing.pt") is None
 
 
 def test_checkpoint_file_loads_with_yolo_and_resumes(spec: TrainSpec, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("torch")
 
 from elasticyolo.engines.torch.rendezvous import EtcdRendezvousBackend  # noqa: E402
+from elasticyolo.testing.wait import wait_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "torch_scripts"
@@ -58,17 +59,16 @@ class Nodes:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def wait_for(self, what: str, cond: Callable[[], object], timeout: float) -> object:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = cond()
-            if result:
-                return result
+        def failed() -> str | None:
             for name, p in self.procs.items():
                 if p.poll() not in (None, 0, -9):
-                    raise AssertionError(f"{name} exited {p.returncode} waiting for {what}\n{self.agent_log(name)}")
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(
-            f"--- {n}\n{self.agent_log(n)}" for n in self.procs))
+                    return f"{name} exited {p.returncode}\n{self.agent_log(name)}"
+            return None
+
+        try:
+            return wait_for(cond, timeout, what, interval=0.1, abort=failed)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + "\n".join(f"--- {n}\n{self.agent_log(n)}" for n in self.procs)) from None
 
     def first_step(self, name: str, world: int, after: float) -> dict | None:
         return next((s for s in self.steps(name) if s["world"] == world and s["t"] > after), None)

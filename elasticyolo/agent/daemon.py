@@ -12,19 +12,21 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from elasticyolo import __version__
-from elasticyolo.agent.plugin import AgentHooks
+from elasticyolo.agent.job import JobView
 from elasticyolo.agent.metrics import AgentMetrics
+from elasticyolo.agent.plugin import AgentPlugin
 from elasticyolo.agent.sd_notify import SystemdNotifier
 from elasticyolo.agent.state import NodeState, Observation, Transition, decide
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
 from elasticyolo.cluster.jobs import submit_spec
-from elasticyolo.cluster.keys import ACTIVE_JOB_STATES, JOB_SUBMITTED, JobKeys
+from elasticyolo.cluster.keys import JOB_SUBMITTED, JobKeys
 from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
+from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.config import AgentConfig
 from elasticyolo.errors import UnavailableError, UserError
 from elasticyolo.log import get_logger
@@ -33,38 +35,30 @@ from elasticyolo.spec import TrainSpec
 EVENTS_KEPT = 1000
 
 
-@dataclass(frozen=True)
-class JobView:
-    """The job as the agent last read it."""
+@dataclass
+class DrainStatus:
+    """The drain in progress (`agent.plugin.DrainInfo`)."""
 
-    spec: TrainSpec | None
-    state: str | None  # submitted/running/cancelled/done/failed, None when never submitted
-    revision: tuple[int, int]  # (spec mod revision, state mod revision): changes on every edit
-    error: str | None = None  # why a stored spec was rejected
-
-    @property
-    def active(self) -> bool:
-        return self.spec is not None and (self.state in ACTIVE_JOB_STATES)
-
-
-def make_client(cfg: AgentConfig) -> EtcdClient:
-    return EtcdClient(cfg.etcd, ca_cert=cfg.etcd_ca, cert_cert=cfg.etcd_cert, cert_key=cfg.etcd_key,
-                      user=cfg.etcd_user, password=cfg.etcd_password, timeout=cfg.etcd_timeout,
-                      retry_window=max(cfg.etcd_timeout, cfg.ttl / 2))
+    reason: str | None = None
+    started_at: float | None = None  # epoch s
+    deadline: float = 0.0  # monotonic s; 0 when not draining
+    report: dict[str, Any] = field(default_factory=dict)  # filled by engine plug-ins while draining
 
 
 class Agent:
+    """The node daemon, and the `NodeAPI` (agent/plugin.py) its plug-ins use."""
+
     def __init__(self, cfg: AgentConfig, client: EtcdClient | None = None,
-                 hooks: Sequence[AgentHooks] = (), notifier: SystemdNotifier | None = None) -> None:
+                 plugins: Sequence[AgentPlugin] = (), notifier: SystemdNotifier | None = None) -> None:
         self.cfg = cfg
         self.keys = JobKeys(cfg.job)
-        self.client = client or make_client(cfg)
+        self.client = client or self.new_client()
         self.log = get_logger("elasticyolo.agent", node=cfg.node_id, job=cfg.job)
-        self.hooks: list[AgentHooks] = list(hooks)
+        self.plugins: list[AgentPlugin] = list(plugins)
         self.notifier = notifier or SystemdNotifier()
         self.metrics = AgentMetrics(cfg.node_id, cfg.job)
-        self.state = NodeState.JOINING
-        self.job = JobView(None, None, (0, 0))
+        self._state = NodeState.JOINING
+        self._job = JobView(None, None, (0, 0))
         self.record = NodeRecord(
             node_id=cfg.node_id, host=cfg.host, addr=cfg.addr, slots=cfg.slots, state=self.state.value,
             preemptible=cfg.preemptible, instance_type=cfg.instance_type, zone=cfg.zone,
@@ -78,11 +72,8 @@ class Agent:
         if self.notifier.watchdog_s:
             self.tick_s = min(self.tick_s, self.notifier.watchdog_s / 3)
         self._wake = threading.Event()
-        self._drain_reason: str | None = None
-        self._drain_deadline = 0.0
+        self.drain = DrainStatus()
         self._notice_deadline: float | None = None  # epoch s: the earliest draining notice's deadline
-        self.drain_started_at: float | None = None  # epoch s
-        self.drain_report: dict[str, Any] = {}  # engine hooks fill it while draining (lost_steps, ...)
         # Set by the CLI to the spot watcher's inject_signal: SIGTERM/SIGINT become notices.
         self.signal_sink: Callable[[int], None] | None = None
         self._conflict_since: float | None = None
@@ -93,24 +84,52 @@ class Agent:
         self._watch_cancel: Callable[[], None] | None = None
         self.metrics_port: int | None = None
 
-    # ---- API for extensions and signal handlers ------------------------------------------
-    def add_hooks(self, *hooks: AgentHooks) -> None:
-        self.hooks.extend(hooks)
+    # ---- NodeAPI: what plug-ins and signal handlers use --------------------------------------
+    @property
+    def state(self) -> NodeState:
+        return self._state
+
+    @property
+    def job(self) -> JobView:
+        return self._job
+
+    def lease_id(self) -> int:
+        return self.registration.lease_id
+
+    def new_client(self, timeout: float | None = None) -> EtcdClient:
+        """A client with the agent's settings; `timeout` also bounds its retries (else the agent's)."""
+        cfg, settings = self.cfg, EtcdSettings.from_config(self.cfg)
+        if timeout is not None:
+            return settings.client(timeout=timeout, retry_window=timeout)
+        return settings.client(timeout=cfg.etcd_timeout, retry_window=max(cfg.etcd_timeout, cfg.ttl / 2))
 
     def wake(self) -> None:
         self._wake.set()
+
+    def set_record_field(self, name: str, value: Any) -> None:
+        """Set (None: remove) an extra field of this node's record; written at the end of the
+        loop iteration (or with the next registration)."""
+        extra = self.record.extra
+        if (value is None and name not in extra) or (value is not None and extra.get(name) == value):
+            return
+        if value is None:
+            extra.pop(name, None)
+        else:
+            extra[name] = value
+        self._record_dirty = True
+        self.wake()
 
     def request_drain(self, reason: str, notice: dict[str, Any] | None = None,
                       deadline: float | None = None) -> None:
         """Leave the world cleanly (thread-safe; signal handlers and spot pollers call this).
         `deadline`: epoch seconds by which the node may be gone; the drain then ends
         `drain_margin_s` before it (or after `drain_timeout_s`, whichever comes first)."""
-        if self._drain_reason is None:
-            self._drain_reason = reason
+        if self.drain.reason is None:
+            self.drain.reason = reason
         if deadline is not None and (self._notice_deadline is None or deadline < self._notice_deadline):
             self._notice_deadline = deadline
             if self.state is NodeState.DRAINING:
-                self._drain_deadline = min(self._drain_deadline, self._deadline_from_notice())
+                self.drain.deadline = min(self.drain.deadline, self._deadline_from_notice())
         if notice is not None:
             self.set_notice(notice)
         self.wake()
@@ -119,15 +138,6 @@ class Agent:
         if self._notice_deadline is None:
             return float("inf")
         return time.monotonic() + (self._notice_deadline - time.time()) - self.cfg.drain_margin_s
-
-    @property
-    def drain_reason(self) -> str | None:
-        return self._drain_reason
-
-    @property
-    def drain_deadline(self) -> float:
-        """Monotonic time by which the drain must be done (0 when not draining)."""
-        return self._drain_deadline
 
     def resign(self, reason: str) -> None:
         """Give up leadership now (a draining leader after its handover)."""
@@ -166,7 +176,7 @@ class Agent:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
             self.log.info("metrics listening", addr=self.cfg.metrics_addr, port=self.metrics_port)
         self._wait_for_etcd()
-        self._call_hooks("on_start")
+        self._call_plugins("on_start")
         self._submit_config_spec()
         self._start_watch()
         self.log.info("agent started", state=self.state.value, ttl=self.cfg.ttl, etcd=",".join(self.cfg.etcd),
@@ -194,7 +204,7 @@ class Agent:
             if self._record_dirty and self.registration.lease_valid():
                 self._record_dirty = False
                 self._sync_record()
-            self._call_hooks("on_tick")
+            self._call_plugins("on_tick")
         except UnavailableError as exc:
             self.metrics.etcd_errors.inc()
             self.log.warning("etcd unavailable; will retry", error=str(exc))
@@ -203,7 +213,7 @@ class Agent:
             self.log.warning("etcd refused a request; will retry", error=str(exc))
 
     def _observe(self) -> Observation:
-        if self.state is NodeState.JOINING and not self._drain_reason:
+        if self.state is NodeState.JOINING and not self.drain.reason:
             self._try_register()
         if self.state is NodeState.DRAINING:
             return Observation(registered=True, drain_complete=self._drain_step())
@@ -212,7 +222,7 @@ class Agent:
             registered=bool(self.registration.lease_id) and not self.registration.lease_lost(),
             lease_lost=self.registration.lease_lost(),
             job_active=self.job.active,
-            drain_requested=self._drain_reason is not None,
+            drain_requested=self.drain.reason is not None,
             fatal=self._fatal,
         )
 
@@ -264,27 +274,27 @@ class Agent:
                 state = None
         elif spec is not None:
             state = JOB_SUBMITTED  # a spec written without a state record counts as submitted
-        self.job = JobView(spec, state, revision, error)
+        self._job = JobView(spec, state, revision, error)
         self.log.info("job changed", job_state=state, has_spec=spec is not None, active=self.job.active)
-        self._call_hooks("on_job_change", self.job)
+        self._call_plugins("on_job_change", self.job)
 
     def _apply(self, t: Transition) -> None:
-        self.state = t.new
+        self._state = t.new
         self.record.state = t.new.value
         self.metrics.transition(t.old, t.new)
         self.log.info("state transition", from_state=t.old.value, to_state=t.new.value, reason=t.reason)
         if t.new is NodeState.DRAINING:
-            self.drain_started_at = time.time()
-            self._drain_deadline = min(time.monotonic() + self.cfg.drain_timeout_s, self._deadline_from_notice())
-            self.notifier.stopping(f"draining: {self._drain_reason}")
+            self.drain.started_at = time.time()
+            self.drain.deadline = min(time.monotonic() + self.cfg.drain_timeout_s, self._deadline_from_notice())
+            self.notifier.stopping(f"draining: {self.drain.reason}")
             # Before the DRAINING record is written: engines may tag it (e.g. horovod's handover
             # mode keeps the node's slots listed until the world has snapshotted).
-            self._call_hooks("before_drain")
+            self._call_plugins("before_drain")
             # A leader whose engine hands its role over first (horovod: snapshot at a commit, then
-            # resign) keeps it until the hook calls resign(); otherwise it resigns at once.
-            keep = any(h.keeps_leadership_while_draining(self) for h in self.hooks)
+            # resign) keeps it until the plug-in calls resign(); otherwise it resigns at once.
+            keep = any(self._ask(p, "keeps_leadership_while_draining") for p in self.plugins)
             if self.election.is_leader and not keep:
-                self.election.resign(f"draining ({self._drain_reason})")
+                self.election.resign(f"draining ({self.drain.reason})")
                 self._lost_leadership("draining")
         if t.new is NodeState.LEFT:
             self.resign("drained")
@@ -298,7 +308,7 @@ class Agent:
             self.notifier.ready(f"{t.new.value}: node {self.cfg.node_id} in job {self.cfg.job}")
         else:
             self.notifier.status(f"{t.new.value}: {t.reason}")
-        self._call_hooks("on_state_change", t)
+        self._call_plugins("on_state_change", t)
 
     def _sync_record(self) -> None:
         try:
@@ -311,12 +321,12 @@ class Agent:
 
     def _drain_step(self) -> bool:
         done = True
-        for hook in self.hooks:
+        for plugin in self.plugins:
             try:
-                done = bool(hook.on_drain(self, self._drain_deadline)) and done
+                done = bool(plugin.on_drain(self, self.drain.deadline)) and done
             except Exception as exc:  # noqa: BLE001 - an extension must not block the drain forever
-                self.log.error("drain hook failed", hook=type(hook).__name__, error=str(exc))
-        if not done and time.monotonic() >= self._drain_deadline:
+                self.log.error("drain plug-in failed", plugin=type(plugin).__name__, error=str(exc))
+        if not done and time.monotonic() >= self.drain.deadline:
             self.log.warning("drain timeout reached; leaving anyway", timeout_s=self.cfg.drain_timeout_s)
             return True
         return done
@@ -339,7 +349,7 @@ class Agent:
         self.metrics.leader_term.set(self.election.term)
         if now and not was:
             self.record.leader = True
-            self._call_hooks("on_become_leader", self.election.term)
+            self._call_plugins("on_become_leader", self.election.term)
         elif was and not now:
             self._lost_leadership("resigned or deposed")
         if now and time.time() - self._last_trim > 30:
@@ -348,7 +358,7 @@ class Agent:
     def _lost_leadership(self, reason: str) -> None:
         self.metrics.leader.set(0)
         self.metrics.leader_term.set(0)
-        self._call_hooks("on_lose_leadership", reason)
+        self._call_plugins("on_lose_leadership", reason)
 
     def _trim_events(self) -> None:
         # The event log is not leased (it outlives nodes); the leader keeps the newest EVENTS_KEPT.
@@ -372,7 +382,7 @@ class Agent:
                                  retry_window=min(1.0, self.cfg.startup_timeout_s))
                 return
             except UnavailableError as exc:
-                if time.monotonic() >= deadline or self._drain_reason is not None:
+                if time.monotonic() >= deadline or self.drain.reason is not None:
                     raise UnavailableError(f"{exc} (gave up after {self.cfg.startup_timeout_s:g}s)") from None
                 if not warned and time.monotonic() > deadline - self.cfg.startup_timeout_s + 5:
                     self.log.warning("waiting for etcd", error=str(exc), timeout_s=self.cfg.startup_timeout_s)
@@ -404,7 +414,7 @@ class Agent:
         threading.Thread(target=pump, name="etcd-watch", daemon=True).start()
 
     def _shutdown(self) -> None:
-        self._call_hooks("on_stop")
+        self._call_plugins("on_stop")
         if self._watch_cancel is not None:
             self._watch_cancel()
         if self.state is NodeState.FAILED:
@@ -425,17 +435,21 @@ class Agent:
                 # Signal-safe: the watcher queues a notice (with its deadline) and its dispatcher
                 # thread calls request_drain; the plain assignment also covers start-up.
                 self.signal_sink(signum)
-                if self._drain_reason is None:
-                    self._drain_reason = signal.Signals(signum).name
+                if self.drain.reason is None:
+                    self.drain.reason = signal.Signals(signum).name
                 return
             self.request_drain(signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
-    def _call_hooks(self, name: str, *args: Any) -> None:
-        for hook in self.hooks:
-            try:
-                getattr(hook, name)(self, *args)
-            except Exception as exc:  # noqa: BLE001 - extensions must not kill the daemon
-                self.log.error("hook failed", hook=type(hook).__name__, method=name, error=str(exc))
+    def _call_plugins(self, name: str, *args: Any) -> None:
+        for plugin in self.plugins:
+            self._ask(plugin, name, *args)
+
+    def _ask(self, plugin: AgentPlugin, name: str, *args: Any) -> Any:
+        try:
+            return getattr(plugin, name)(self, *args)
+        except Exception as exc:  # noqa: BLE001 - extensions must not kill the daemon
+            self.log.error("plug-in failed", plugin=type(plugin).__name__, method=name, error=str(exc))
+            return None

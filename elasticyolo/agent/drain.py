@@ -1,6 +1,6 @@
 """Spot interruption notices -> drain: the glue between `elasticyolo.spot` and the agent.
 
-`SpotDrain` is an `AgentHooks` plug-in that owns the node's `NoticeWatcher`:
+`SpotDrain` is an `AgentPlugin` that owns the node's `NoticeWatcher`:
 * a draining notice (terminate/stop/preempt, a file, SIGTERM) -> `agent.request_drain` with the
   notice's deadline: the agent goes DRAINING (written to etcd with the notice) and the engine
   hooks leave the world before `deadline - drain_margin_s`;
@@ -9,11 +9,12 @@
   `--drain-on-rebalance`;
 * every notice, drain start and drain end goes to the job's event log in etcd and to metrics;
   the drain end carries notice-to-drained seconds and the engine's lost-step count
-  (`agent.drain_report`, filled by the engine hook during `on_drain`);
+  (`agent.drain.report`, filled by the engine's plug-in during `on_drain`);
 * once drained, notices are acknowledged (Azure approves the Preempt event).
 
 The engine work (leaving the Horovod world at a commit boundary, handing the leader role over)
-lives in the engine hooks; this module is engine-neutral and imports no torch.
+lives in the engines (`engines/drain.py` and each engine's planner); this module is
+engine-neutral and imports no torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.agent.plugin import AgentHooks
+from elasticyolo.agent.plugin import AgentPlugin, NodeAPI
 from elasticyolo.agent.state import NodeState, Transition
 from elasticyolo.log import get_logger
 from elasticyolo.spot.factory import make_watcher
@@ -29,17 +30,16 @@ from elasticyolo.spot.notice import Notice
 from elasticyolo.spot.watcher import NoticeWatcher
 
 if TYPE_CHECKING:
-    from elasticyolo.agent.daemon import Agent
     from elasticyolo.config import AgentConfig
 
 log = get_logger("elasticyolo.drain")
 
 
-class SpotDrain(AgentHooks):
+class SpotDrain(AgentPlugin):
     def __init__(self, watcher: NoticeWatcher, drain_on_rebalance: bool = False) -> None:
         self.watcher = watcher
         self.drain_on_rebalance = drain_on_rebalance
-        self.agent: "Agent | None" = None
+        self.agent: NodeAPI | None = None
         self.first_notice_at: float | None = None  # epoch s of the first draining notice
         self._drain_notices: list[Notice] = []
         self._spot_status: Any = None
@@ -52,22 +52,22 @@ class SpotDrain(AgentHooks):
         return cls(watcher, cfg.drain_on_rebalance)
 
     # ---- hooks ----------------------------------------------------------------------------
-    def on_start(self, agent: "Agent") -> None:
+    def on_start(self, agent: NodeAPI) -> None:
         self.agent = agent
         self.watcher.start(self._on_notice)
 
-    def on_state_change(self, agent: "Agent", transition: Transition) -> None:
+    def on_state_change(self, agent: NodeAPI, transition: Transition) -> None:
         if transition.new is NodeState.DRAINING:
-            reason = agent.drain_reason or "requested"
+            reason = agent.drain.reason or "requested"
             agent.metrics.drains.labels(node=agent.cfg.node_id, job=agent.cfg.job,
                                         reason=reason.split(":")[0]).inc()
-            left = agent.drain_deadline - time.monotonic()
+            left = agent.drain.deadline - time.monotonic()
             agent.write_event("drain_start", reason=reason, deadline_in_s=round(left, 1),
                               notice=agent.record.notice)
-        elif transition.new is NodeState.LEFT and agent.drain_started_at is not None:
+        elif transition.new is NodeState.LEFT and agent.drain.started_at is not None:
             self._drained(agent)
 
-    def on_tick(self, agent: "Agent") -> None:
+    def on_tick(self, agent: NodeAPI) -> None:
         # Watcher health in the node record (status shows a failing metadata endpoint), rarely.
         now = time.monotonic()
         if now - self._status_at < 5.0 or not self.watcher.sources:
@@ -78,10 +78,9 @@ class SpotDrain(AgentHooks):
                    "failing": sorted(n for n, h in st["sources"].items() if h.get("failures"))}
         if compact != self._spot_status:
             self._spot_status = compact
-            agent.record.extra["spot"] = compact
-            agent._record_dirty = True
+            agent.set_record_field("spot", compact)
 
-    def on_stop(self, agent: "Agent") -> None:
+    def on_stop(self, agent: NodeAPI) -> None:
         self.watcher.stop(timeout=1.0)
 
     # ---- notices (watcher dispatcher thread) ---------------------------------------------
@@ -103,16 +102,16 @@ class SpotDrain(AgentHooks):
             agent.set_notice({**record, "at_risk": True})
 
     # ---- drain end --------------------------------------------------------------------------
-    def _drained(self, agent: "Agent") -> None:
+    def _drained(self, agent: NodeAPI) -> None:
         now = time.time()
-        start = self.first_notice_at or agent.drain_started_at or now
+        start = self.first_notice_at or agent.drain.started_at or now
         seconds = round(now - start, 2)
-        report = dict(agent.drain_report)
+        report = dict(agent.drain.report)
         lost = report.get("lost_steps")
         agent.metrics.notice_to_drained.set(seconds)
         agent.metrics.drain_lost_steps.set(-1 if lost is None else float(lost))
         acked = [n.key for n in self._drain_notices if self._ack(n)]
-        agent.write_event("drain_end", reason=agent.drain_reason, notice_to_drained_s=seconds,
+        agent.write_event("drain_end", reason=agent.drain.reason, notice_to_drained_s=seconds,
                           acknowledged=acked, **report)
         log.info("drained", node=agent.cfg.node_id, notice_to_drained_s=seconds, **report)
 

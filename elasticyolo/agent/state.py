@@ -29,6 +29,11 @@ class NodeState(str, enum.Enum):
         return self in (NodeState.LEFT, NodeState.FAILED)
 
 
+# Node states (as written in node records) whose slots a world may use: JOINING, DRAINING and
+# LEFT nodes offer none.
+SERVING_STATES = (NodeState.IDLE.value, NodeState.TRAINING.value)
+
+
 @dataclass(frozen=True)
 class Observation:
     """What the agent knows at one loop iteration."""

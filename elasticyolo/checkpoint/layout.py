@@ -11,22 +11,20 @@ checkpoint whose upload completed and was verified, so a half-written object is 
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from elasticyolo.errors import UserError
+from elasticyolo.cluster.keys import check_job_name
 
 FORMAT = 1
-_JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def check_job(job: str) -> str:
-    if not _JOB.match(job or ""):
-        raise UserError(f"job name {job!r}: use letters, digits, '.', '_' or '-' (at most 128)")
-    return job
+    """The job-name rule of the whole system (`cluster.keys`): a job checkpoints under the same
+    name it runs under in etcd."""
+    return check_job_name(job)
 
 
 def ckpt_prefix(job: str) -> str:

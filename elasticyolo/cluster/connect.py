@@ -12,20 +12,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from elasticyolo.cluster import settings
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.errors import UserError
 
 DEFAULT_CONFIG_PATH = "/etc/elasticyolo/agent.yaml"
 
 # flag dest -> (env name, key in agent.yaml)
 _SOURCES = {
-    "etcd": ("ELASTICYOLO_ETCD", "etcd"),
-    "job": ("ELASTICYOLO_JOB", "job"),
-    "etcd_ca": ("ELASTICYOLO_ETCD_CA", "etcd_ca"),
-    "etcd_cert": ("ELASTICYOLO_ETCD_CERT", "etcd_cert"),
-    "etcd_key": ("ELASTICYOLO_ETCD_KEY", "etcd_key"),
-    "etcd_user": ("ELASTICYOLO_ETCD_USER", "etcd_user"),
+    "etcd": (settings.ENV_ENDPOINTS, "etcd"),
+    "job": (settings.ENV_JOB, "job"),
+    "etcd_ca": (settings.ENV_CA, "etcd_ca"),
+    "etcd_cert": (settings.ENV_CERT, "etcd_cert"),
+    "etcd_key": (settings.ENV_KEY, "etcd_key"),
+    "etcd_user": (settings.ENV_USER, "etcd_user"),
     "etcd_password_file": ("ELASTICYOLO_ETCD_PASSWORD_FILE", "etcd_password_file"),
 }
 
@@ -67,7 +69,7 @@ def resolve(args: argparse.Namespace, job_required: bool = True) -> dict[str, An
                 file_values = _from_config_file(getattr(args, "config", None))
             v = file_values.get(file_key)
         values[dest] = v
-    values["etcd_password"] = os.environ.get("ELASTICYOLO_ETCD_PASSWORD") or (file_values or {}).get("etcd_password")
+    values["etcd_password"] = os.environ.get(settings.ENV_PASSWORD) or (file_values or {}).get("etcd_password")
     if values["etcd_password_file"]:
         try:
             values["etcd_password"] = Path(values["etcd_password_file"]).read_text().strip()
@@ -93,7 +95,6 @@ def client_from_args(args: argparse.Namespace, job_required: bool = True,
     v = resolve(args, job_required)
     keys = JobKeys(str(v["job"]))
     timeout = float(getattr(args, "etcd_timeout", 2.0) or 2.0)
-    client = EtcdClient(v["etcd"], ca_cert=v["etcd_ca"], cert_cert=v["etcd_cert"], cert_key=v["etcd_key"],
-                        user=v["etcd_user"], password=v["etcd_password"], timeout=timeout,
-                        retry_window=timeout if retry_window is None else retry_window)
-    return client, keys
+    etcd = EtcdSettings.of(v["etcd"], ca=v["etcd_ca"], cert=v["etcd_cert"], key=v["etcd_key"], user=v["etcd_user"],
+                           password=v["etcd_password"])
+    return etcd.client(timeout=timeout, retry_window=timeout if retry_window is None else retry_window), keys

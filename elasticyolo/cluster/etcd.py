@@ -256,6 +256,17 @@ class EtcdClient:
             return None
         return _unb64(kvs[0].get("value")), int(kvs[0]["mod_revision"])
 
+    def get_json(self, key: str) -> dict[str, Any] | None:
+        """The JSON object stored at `key`; None when absent or not a JSON object."""
+        got = self.get(key)
+        if got is None:
+            return None
+        try:
+            value = json.loads(got[0])
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
     def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
         """[(key, value, mod_revision)] sorted by key."""
         return self.get_prefix_with_revision(prefix)[0]

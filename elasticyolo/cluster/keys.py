@@ -5,16 +5,21 @@
 | `nodes/<node-id>`                 | that node's agent | node lease | NodeRecord (registry.py)             |
 | `leader`                          | elected agent     | node lease | LeaderRecord (election.py); its mod revision is the fencing token |
 | `spec`                            | `submit`, agent config | none  | TrainSpec JSON (elasticyolo.spec)   |
-| `state`                           | `submit`/`cancel`/leader | none | JobState: {"state", "at", "by", "reason"} |
-| `world`                           | leader (driver)   | none       | World: {"epoch","step","world_size","ranks":{node:[rank..]},"term","at"} |
-| `launch/<node-id>`                | leader            | leader's   | launch request: {"action": "start"/"stop", "env", "term", ...} |
+| `state`                           | `submit`/`cancel`/leader/engine | none | JobState: {"state", "at", "by", "reason"} |
+| `world`                           | leader (driver)   | none       | World: {"world_size","ranks":{node:[rank..]},"term","leader","at"} |
+| `launch/<node-id>/<local-rank>`   | leader (Horovod driver) | leader's | launch request: {"action": "start", "id", "env", "term", "at"} |
+| `exit/<request-id>`               | the node's agent  | node lease | worker exit report: {"code","node","slot","at"} |
 | `events/<ms>-<node-id>-<seq>`     | any agent         | none       | {"at","node","kind","from","to","reason"} (leader trims old ones) |
-| `progress`                        | rank 0 worker     | none       | Progress: {"epoch","step","samples_s","world_size","loss","at"} |
-| `checkpoint/latest`               | checkpoint manager| none       | {"uri","epoch","step","at"}         |
+| `progress`                        | rank 0 worker     | none       | Progress: {"epoch","step","samples_s","world_size","loss","node","at"} |
+| `checkpoint/latest`               | rank 0 worker     | none       | the newest landed checkpoint: {"uri","epoch","step","at","size",...} |
+| `resume`                          | rank 0 worker     | none       | one per (re)start of training: {"step","world","lost_steps","reason","term","at"} |
+| `quiesce`                         | a draining agent  | none       | quiesce request: {"id","term","checkpoint","hold","timeout_s","by","at"} |
+| `quiesce_ack`                     | rank 0 worker     | none       | {"id","step","epoch","checkpoint","at"} |
 | `rdzv/...`                        | torch elastic backend | -      | torch rendezvous state (engines/torch) |
 
-Job names are DNS-label-like (`[a-z0-9][a-z0-9._-]*`, at most 63 chars) so a key never
-needs escaping; node ids may also use upper case.
+Job names and node ids follow one rule (`_NAME_RE`): 1-128 of `A-Z a-z 0-9 . _ -`, starting
+with a letter or digit, so a name never needs escaping in a key, an object-store path or a
+directory, and the same name works for `agent`, `submit`, `status`, `train` and `checkpoints`.
 """
 
 from __future__ import annotations
@@ -25,19 +30,19 @@ from elasticyolo.errors import UserError
 
 ROOT = "/elasticyolo/"
 
-_JOB_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RULE = "use 1-128 of A-Z a-z 0-9 . _ - (starting with a letter or digit)"
 
 
 def check_job_name(job: str) -> str:
-    if not _JOB_RE.match(job or ""):
-        raise UserError(f"job name {job!r} is invalid: use 1-63 of a-z 0-9 . _ - (starting with a letter or digit)")
+    if not _NAME_RE.match(job or ""):
+        raise UserError(f"job name {job!r} is invalid: {_NAME_RULE}")
     return job
 
 
 def check_node_id(node_id: str) -> str:
-    if not _NODE_RE.match(node_id or ""):
-        raise UserError(f"node id {node_id!r} is invalid: use 1-128 of A-Z a-z 0-9 . _ - (no slashes)")
+    if not _NAME_RE.match(node_id or ""):
+        raise UserError(f"node id {node_id!r} is invalid: {_NAME_RULE}")
     return node_id
 
 
@@ -53,16 +58,27 @@ class JobKeys:
         self.state = self.prefix + "state"
         self.world = self.prefix + "world"
         self.launch_prefix = self.prefix + "launch/"
+        self.exits = self.prefix + "exit/"
         self.events = self.prefix + "events/"
         self.progress = self.prefix + "progress"
         self.checkpoint_latest = self.prefix + "checkpoint/latest"
+        self.resume = self.prefix + "resume"
+        self.quiesce = self.prefix + "quiesce"
+        self.quiesce_ack = self.prefix + "quiesce_ack"
         self.rdzv = self.prefix + "rdzv/"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
 
     def launch(self, node_id: str) -> str:
-        return self.launch_prefix + node_id
+        """The prefix of one node's launch requests (`launch/<node-id>/`)."""
+        return f"{self.launch_prefix}{node_id}/"
+
+    def launch_slot(self, node_id: str, local_rank: int) -> str:
+        return f"{self.launch(node_id)}{local_rank}"
+
+    def exit(self, request_id: str) -> str:
+        return self.exits + request_id
 
     def event(self, at_ms: int, node_id: str, seq: int = 0) -> str:
         # Zero-padded milliseconds keep events in time order under a prefix range read.

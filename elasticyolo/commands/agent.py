@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from elasticyolo.config import DEFAULT_CONFIG_PATH
+from elasticyolo.spot.providers import PROVIDERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etcd-timeout", type=float, metavar="S", help="seconds per etcd request (default 2)")
     parser.add_argument("--handover", action=argparse.BooleanOptionalAction, default=None,
                         help="a preemptible leader hands over to a non-preemptible node (default yes)")
+    parser.add_argument("--work-dir", metavar="DIR",
+                        help="node-local files of the jobs (snapshots, worker cwd; default /var/tmp/elasticyolo)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     spot = parser.add_argument_group("spot interruption notices")
-    spot.add_argument("--spot-provider", choices=["aws", "gcp", "azure", "none", "auto"],
+    spot.add_argument("--spot-provider", choices=PROVIDERS,
                       help="watch this cloud's metadata for interruption notices and drain on one (default none)")
     spot.add_argument("--metadata-url", metavar="URL", help="metadata base URL (default: the provider's own)")
     spot.add_argument("--notice-file", metavar="PATH", help="a file appearing here is a notice (any provider)")
@@ -52,23 +55,19 @@ _FLAG_FIELDS = ("etcd", "job", "node_id", "host", "addr", "slots", "ttl", "preem
                 "price_per_hour", "metrics_port", "metrics_addr", "drain_timeout_s", "startup_timeout_s", "etcd_ca",
                 "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_timeout", "handover", "log_level",
                 "spot_provider", "metadata_url", "notice_file", "spot_poll_interval", "drain_on_rebalance",
-                "drain_margin_s")
+                "drain_margin_s", "work_dir")
 
 
 def run(args: argparse.Namespace) -> int:
     from elasticyolo import log
     from elasticyolo.agent.daemon import Agent
+    from elasticyolo.agent.drain import SpotDrain
     from elasticyolo.config import load_agent_config
+    from elasticyolo.engines.dispatch import EngineDispatch  # torch-free: runs the job's engine
 
     cfg = load_agent_config(args.config, {name: getattr(args, name) for name in _FLAG_FIELDS})
     log.configure(cfg.log_level)
-    from elasticyolo.engines.torch.node import TorchEngineHook  # torch-free; acts on engine=torch jobs
-
-    from elasticyolo.engines.horovod.node import HorovodEngineHooks  # torch-free; engine=horovod jobs
-
-    from elasticyolo.agent.drain import SpotDrain
-
     spot = SpotDrain.from_config(cfg)  # a bad --metadata-url fails here, before anything starts
-    agent = Agent(cfg, hooks=[spot, TorchEngineHook(cfg), HorovodEngineHooks()])
+    agent = Agent(cfg, plugins=[spot, EngineDispatch()])
     agent.signal_sink = spot.watcher.inject_signal
     return agent.run()

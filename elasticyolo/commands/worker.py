@@ -1,61 +1,41 @@
-"""`elasticyolo worker key=value ...`: one training worker, started by horovodrun or an agent."""
+"""`elasticyolo worker key=value ...`: one training worker, started by an agent, by torch elastic
+or by horovodrun. The spec's `engine` picks the worker entry point (`engines/registry.py`)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from typing import Any
 
-from elasticyolo.spec import TrainSpec
+from elasticyolo.engines.worker_env import ENV_SPEC
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    import os
+
     parser.add_argument("options", nargs="*", metavar="key=value", help="the training spec (see `train`)")
-    parser.add_argument("--spec-json", default=os.environ.get("ELASTICYOLO_SPEC"),
-                        help="the spec as JSON (default: $ELASTICYOLO_SPEC)")
+    parser.add_argument("--spec-json", default=os.environ.get(ENV_SPEC),
+                        help=f"the spec as JSON (default: ${ENV_SPEC})")
     parser.add_argument("--progress-jsonl", default=None, help="rank 0 writes one JSON record per step here")
     parser.add_argument("--prewarm-slot", type=int, default=None, metavar="N",
-                        help="(agent use) build the model and data for local slot N, print READY, then wait for "
-                             "the Horovod environment as one JSON line on stdin")
+                        help="(agent use, engine=horovod) build the model and data for local slot N, print READY, "
+                             "then wait for the Horovod environment as one JSON line on stdin")
 
 
 def run(args: argparse.Namespace) -> int:
-    from elasticyolo.engines.horovod import pdeathsig
+    from elasticyolo.engines.lifeline import die_with_agent
 
-    pdeathsig.arm_from_env()  # started by an agent: die with it
+    die_with_agent()  # started by an agent (or its torch launcher): die with it
+    from elasticyolo.data.yaml_check import load_data_yaml
+    from elasticyolo.engines import registry
+    from elasticyolo.engines.base import WorkerOptions
+    from elasticyolo.spec import TrainSpec
+
     if args.spec_json:
         spec = TrainSpec.from_json(args.spec_json, "--spec-json")
         if args.options:
             spec = TrainSpec.from_pairs(args.options, **spec.model_dump())
     else:
         spec = TrainSpec.from_pairs(args.options)
-    from elasticyolo.data.yaml_check import load_data_yaml
-
     load_data_yaml(spec.data)
-    if spec.engine != "horovod":
-        print(f"elasticyolo worker: error: engine={spec.engine} workers are started by torch elastic", file=sys.stderr)
-        return 2
-
-    def make_sinks() -> list[Any]:
-        from elasticyolo.train.report import JsonLines
-
-        sinks: list[Any] = []
-        if args.progress_jsonl:
-            sinks.append(JsonLines(open(args.progress_jsonl, "a")))
-        if os.environ.get("ELASTICYOLO_ETCD_PROGRESS") == "1":
-            from elasticyolo.engines.progress import EtcdProgress
-
-            sink = EtcdProgress.from_env()
-            if sink is not None:
-                sinks.append(sink)
-        return sinks
-
-    if args.prewarm_slot is not None:
-        from elasticyolo.engines.horovod.prewarm import serve
-
-        return serve(args.prewarm_slot, make_sinks)
-    from elasticyolo.engines.horovod.worker import run_worker
-
-    run_worker(spec, sinks=make_sinks())
-    return 0
+    engine = registry.get(spec.engine)
+    return int(engine.worker_main(spec, WorkerOptions(progress_jsonl=args.progress_jsonl,
+                                                      prewarm_slot=args.prewarm_slot)) or 0)

@@ -1,13 +1,21 @@
-"""Die with the parent: `python -m elasticyolo.engines.lifeline MODULE [ARGS...]`.
+"""Die with the parent: `PR_SET_PDEATHSIG(SIGKILL)` for every process an agent starts (Linux).
 
-torch elastic's agent does not kill its workers when the agent itself is SIGKILLed, and it starts
-them in their own sessions, so killing a process group does not reach them either. Asking the
-kernel for SIGKILL on parent death (PR_SET_PDEATHSIG) before anything slow is imported closes the
-window; the `getppid()` check covers a parent that died before the prctl took effect.
+Why: SIGKILL of an agent must take its workers down (an orphan keeps training in a world its
+peers left; torch elastic's agent does not kill its workers when it is itself killed, and starts
+them in their own sessions, so a process-group kill misses them).
 
-PDEATHSIG fires when the parent *thread* that forked us exits: whoever starts us must fork from a
-thread that lives as long as we do (the agent hook's supervisor thread, torch's agent main thread).
-No torch here.
+How: the parent writes its pid into the child's environment (`ELASTICYOLO_PARENT_PID`, see
+`spawn.py` / `worker_env.py`); the child arms the death signal first thing, then compares its
+parent with that pid. That also catches a parent that died *before* the child started (the
+child was re-parented already, so `getppid()` alone would look fine). Done in the child, not in a
+`preexec_fn`, because the agent has threads (preexec_fn is unsafe there).
+
+The signal fires when the parent *thread* that forked the child exits: spawn from a thread that
+lives as long as the child (the agent's loop thread, a supervisor thread that waits on it, torch's
+agent main thread).
+
+`python -m elasticyolo.engines.lifeline MODULE [ARGS...]` runs MODULE the same way; without the
+variable (e.g. under plain torchrun) the parent is whoever started us. No torch here.
 """
 
 from __future__ import annotations
@@ -18,18 +26,36 @@ import runpy
 import signal
 import sys
 
+from elasticyolo.engines.worker_env import ENV_PARENT_PID
+
 PR_SET_PDEATHSIG = 1
+EXIT_ORPHANED = 137  # as if SIGKILLed together with the parent
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux; a no-op elsewhere)."""
+def _arm(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `sig` when our parent dies. False where unsupported."""
     if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when `parent` dies (default: the pid in `ELASTICYOLO_PARENT_PID`, else
+    our current parent); exit at once if it is already gone."""
+    if parent is None:
+        raw = os.environ.get(ENV_PARENT_PID)
+        parent = int(raw) if raw and raw.isdigit() else os.getppid()
+    _arm()
+    if os.getppid() != parent:
+        os._exit(EXIT_ORPHANED)
+
+
+def die_with_agent() -> None:
+    """Only when started by an agent (`ELASTICYOLO_PARENT_PID` set): `elasticyolo worker` also runs
+    under plain horovodrun, whose per-slot threads must not be mistaken for a lifelong parent."""
+    if os.environ.get(ENV_PARENT_PID):
+        die_with_parent()
 
 
 def main() -> None:

@@ -1,38 +1,61 @@
-"""Rank 0 publishes training progress to etcd (`JobKeys.progress`) for `elasticyolo status`.
+"""What rank 0 of every engine reports to etcd for `elasticyolo status` and the drain: training
+progress (`progress`), the newest landed checkpoint (`checkpoint/latest`) and one record per
+(re)start of training (`resume`). Engine-neutral and torch-free.
 
-A sink of the training loop (one record per step). Writes are rate-limited (at most `rate`
-per second) and done by a background thread, so a slow or unreachable etcd never stalls a
-step; the latest record wins. Connection settings come from the environment the agent set
-(`ELASTICYOLO_ETCD`, `ELASTICYOLO_JOB`, TLS/auth `ELASTICYOLO_ETCD_*`): never the command line.
+The first `resume` record of a submission also moves the job from `submitted` to `running`
+(a no-op where the engine's coordinator did that already).
+
+`EtcdProgress` is a sink of the training loop (one record per step) and of the `Checkpointer`
+(one `{"kind": "checkpoint", ...}` record per landed checkpoint). Progress writes are rate-limited
+(at most `rate` per second) and done by a background thread, so a slow or unreachable etcd never
+stalls a step; the latest record wins. Connection settings come from the environment the agent
+wrote (`worker_env.py`), never the command line.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
-import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-from elasticyolo.engines.worker_env import client_from_env
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
-from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.cluster.jobs import set_job_state
+from elasticyolo.cluster.keys import JOB_RUNNING, JOB_SUBMITTED, JobKeys
+from elasticyolo.engines import worker_env
+from elasticyolo.engines.base import WorkerOptions
+from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
+from elasticyolo.log import get_logger
 
 FIELDS = ("epoch", "epochs", "step", "consumed", "num_samples", "world_size", "loss", "lr", "lr_scale",
           "accumulate")
 
+log = get_logger("elasticyolo.progress")
+
 
 class EtcdProgress:
-    def __init__(self, client: EtcdClient, keys: JobKeys, rate: float = 2.0) -> None:
+    def __init__(self, client: EtcdClient, keys: JobKeys, rate: float = 2.0, node_id: str | None = None,
+                 term: int | None = None, generation: int | None = None) -> None:
         self.client, self.keys = client, keys
+        self.node_id, self.term, self.generation = node_id, term, generation
+        self._marked_running = False
         self.min_interval = 1.0 / rate
         self._latest: dict[str, Any] | None = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="etcd-progress", daemon=True)
         self._thread.start()
         atexit.register(self.flush)  # the last record (final metrics) must not die with the thread
+
+    @classmethod
+    def from_env(cls, env: WorkerEnv | None = None) -> "EtcdProgress | None":
+        """The sink of a worker started by an agent; None otherwise (e.g. under plain horovodrun)."""
+        env = env or worker_env.read()
+        found = env.etcd_client(timeout=2.0)
+        if found is None:
+            return None
+        return cls(*found, node_id=env.node_id, term=env.term, generation=env.generation)
 
     def flush(self) -> None:
         with self._cond:
@@ -43,18 +66,13 @@ class EtcdProgress:
             except (UnavailableError, EtcdError):
                 pass
 
-    @classmethod
-    def from_env(cls) -> "EtcdProgress | None":
-        found = client_from_env(timeout=2.0)
-        return cls(*found) if found is not None else None
-
     def __call__(self, rec: dict[str, Any]) -> None:
         if rec.get("kind") == "checkpoint":
-            self._put_checkpoint(rec)
+            self._put_soon(self.keys.checkpoint_latest, {k: v for k, v in rec.items() if k != "kind"})
             return
         out = {k: rec.get(k) for k in FIELDS}
         out["samples_s"] = round(float(rec.get("samples_per_s") or 0.0), 2)
-        out["node"] = os.environ.get("ELASTICYOLO_NODE_ID")
+        out["node"] = self.node_id
         out["at"] = time.time()
         if rec.get("metrics"):
             out["metrics"] = rec["metrics"]
@@ -62,18 +80,31 @@ class EtcdProgress:
             self._latest = out
             self._cond.notify()
 
-    def _put_checkpoint(self, rec: dict[str, Any]) -> None:
-        """The newest landed checkpoint, for `status` (`JobKeys.checkpoint_latest`). Rare (one per
-        checkpoint), so written on a short-lived thread: never blocks a step."""
-        body = json.dumps({k: v for k, v in rec.items() if k != "kind"})
+    def resume(self, step: int, world: int, lost_steps: int | None, reason: str, **extra: Any) -> None:
+        """One record per (re)start of training, for the draining agent (lost steps) and `status`.
+        Written synchronously: it is rare, and a drain waits for it."""
+        rec = {"step": step, "world": world, "lost_steps": lost_steps, "reason": reason, "term": self.term,
+               "at": time.time(), **extra}
+        try:
+            self.client.put(self.keys.resume, json.dumps(rec))
+            if not self._marked_running and self.generation is not None:
+                set_job_state(self.client, self.keys, JOB_RUNNING, generation=self.generation,
+                              by=f"rank 0 on {self.node_id}", only_from=(JOB_SUBMITTED,))
+                self._marked_running = True
+        except (UnavailableError, EtcdError) as exc:
+            log.warning("could not publish the resume record", error=str(exc))
+
+    def _put_soon(self, key: str, value: dict[str, Any]) -> None:
+        """Rare records (one per checkpoint) on a short-lived thread: never blocks a step."""
+        body = json.dumps(value)
 
         def put() -> None:
             try:
-                self.client.put(self.keys.checkpoint_latest, body)
+                self.client.put(key, body)
             except (UnavailableError, EtcdError):
-                pass  # best effort: the next checkpoint overwrites it
+                pass  # best effort: the next record overwrites it
 
-        threading.Thread(target=put, name="etcd-checkpoint", daemon=True).start()
+        threading.Thread(target=put, name="etcd-record", daemon=True).start()
 
     def _run(self) -> None:
         last = 0.0
@@ -90,3 +121,21 @@ class EtcdProgress:
             last = time.monotonic()
             if last_wait > 0:
                 time.sleep(last_wait)
+
+
+Sink = Callable[[dict[str, Any]], None]
+
+
+def worker_sinks(options: WorkerOptions, env: WorkerEnv | None = None) -> tuple[list[Sink], EtcdProgress | None]:
+    """Rank 0's progress sinks for a worker: `--progress-jsonl` and, when started by an agent,
+    etcd. Returns (sinks, the etcd sink or None) - the latter also takes `resume` records."""
+    sinks: list[Sink] = []
+    if options.progress_jsonl:
+        from elasticyolo.train.report import JsonLines
+
+        sinks.append(JsonLines(open(options.progress_jsonl, "a")))
+    etcd = EtcdProgress.from_env(env)
+    if etcd is not None:
+        sinks.append(etcd)
+    return sinks, etcd
+

@@ -11,9 +11,10 @@ from elasticyolo.log import get_logger
 from elasticyolo.spot import aws, azure, gcp
 from elasticyolo.spot.base import NoticeSource
 from elasticyolo.spot.local import DEFAULT_SIGNAL_NOTICE_S, FileSource
+from elasticyolo.spot.providers import PROVIDERS, check_provider
 from elasticyolo.spot.watcher import NoticeWatcher
 
-PROVIDERS = ("aws", "gcp", "azure", "none", "auto")
+__all__ = ["PROVIDERS", "make_watcher", "probe"]
 # All three clouds answer on the link-local address, so `auto` needs only one base URL.
 AUTO_DEFAULT_URL = "http://169.254.169.254"
 DEFAULT_URLS = {"aws": aws.DEFAULT_URL, "gcp": gcp.DEFAULT_URL, "azure": azure.DEFAULT_URL}
@@ -82,9 +83,10 @@ def make_watcher(
     real address; `auto` then probes only http://169.254.169.254, else only the given URL.
     poll_interval_s: None for each provider's default (AWS 5 s, GCP 5 s long-poll, Azure 2 s).
     """
-    provider = (provider or "none").lower()
-    if provider not in PROVIDERS:
-        raise UserError(f"--spot-provider {provider!r}: expected one of {', '.join(PROVIDERS)}")
+    try:
+        provider = check_provider(provider)
+    except ValueError as exc:
+        raise UserError(f"--spot-provider {exc}") from None
     if poll_interval_s is not None and poll_interval_s <= 0:
         raise UserError(f"spot poll interval must be > 0 (got {poll_interval_s})")
     base = _check_url(metadata_url) if metadata_url else None

@@ -16,10 +16,11 @@ from typing import Any
 
 import psutil
 
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, leader_in_etcd, nodes_in_etcd, wait_for
+from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, leader_in_etcd, nodes_in_etcd
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.testing.trace import pids_by_rank, read_trace
+from elasticyolo.testing.wait import wait_for
 
 
 class AgentCluster:

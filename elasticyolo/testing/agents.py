@@ -1,7 +1,8 @@
-"""Helpers for scenario tests and benchmarks: real `elasticyolo agent` processes and polling.
+"""Real `elasticyolo agent` processes for scenario tests and benchmarks, and etcd views of them.
 
-Scenarios are written as a schedule of kills/joins plus `wait_for(condition, deadline)`, never
-bare sleeps, so they are as fast as the cluster and fail with a message saying what was awaited.
+Scenarios are written as a schedule of kills/joins plus `wait_for(condition, deadline)`
+(`testing/wait.py`), never bare sleeps, so they are as fast as the cluster and fail with a
+message saying what was awaited.
 """
 
 from __future__ import annotations
@@ -12,35 +13,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 
-T = TypeVar("T")
-
 ELASTICYOLO = str(Path(sys.executable).with_name("elasticyolo"))
-
-
-def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll `condition` until it returns something truthy; AssertionError naming `what` on timeout.
-    Exceptions inside the condition count as "not yet" (etcd may be electing)."""
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while True:
-        try:
-            value = condition()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001
-            last_exc = exc
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}"
-                                 + (f" (last error: {last_exc})" if last_exc else ""))
-        time.sleep(interval)
 
 
 @dataclass

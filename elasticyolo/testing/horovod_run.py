@@ -10,27 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 from elasticyolo.testing.trace import pids_by_rank, read_trace
+from elasticyolo.testing.wait import wait_for
 
 VENV_BIN = Path(sys.executable).parent
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2,
-               proc: subprocess.Popen | None = None) -> Any:  # type: ignore[type-arg]
-    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode} while waiting for: {what}")
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
 
 
 class HorovodElasticJob:
@@ -77,7 +63,12 @@ class HorovodElasticJob:
         return [e for e in self.events() if e["ev"] == "step" and (world is None or e["world"] == world)]
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-        return wait_until(predicate, timeout, what, proc=self.proc)
+        """`testing.wait.wait_for`, failing at once if horovodrun exits."""
+        def exited() -> str | None:
+            code = self.proc.poll() if self.proc is not None else None
+            return f"horovodrun exited with {code}" if code is not None else None
+
+        return wait_for(predicate, timeout, what, interval=0.2, abort=exited)
 
     def kill_rank(self, rank: int) -> int:
         pid = pids_by_rank(self.events())[rank]

@@ -8,20 +8,15 @@ right after the commit's local save.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
-from elasticyolo.checkpoint import CheckpointManager, open_store, restore_latest
+from elasticyolo.checkpoint import CheckpointManager, open_store, read_latest, restore_latest
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.core import TrainCore
 from elasticyolo.train.state import build_core_checkpoint, load_core_checkpoint
 
 log = get_logger("elasticyolo.checkpointing")
-
-
-def job_name(default: str = "default") -> str:
-    return os.environ.get("ELASTICYOLO_JOB", default)
 
 
 class Checkpointer:
@@ -62,6 +57,17 @@ class Checkpointer:
         self.manager.note_restored(manifest)
         log.info("checkpoint_restored", job=self.job, step=manifest.step, epoch=manifest.epoch, key=manifest.key)
         return True
+
+    def latest_step(self) -> int:
+        """The step of the job's newest checkpoint in the store (-1: none). Its manifest counts as
+        the last save from here on, as after a restore."""
+        if self.manager is None:
+            return -1
+        manifest = read_latest(self.store, self.job)
+        if manifest is None:
+            return -1
+        self.manager.note_restored(manifest)
+        return manifest.step
 
     def after_commit(self, core: TrainCore) -> None:
         if self.manager is None or core.rank != 0:

@@ -1,115 +1,221 @@
-"""Node-local snapshots of the committed training state, for restarts of the whole world
-(leader loss: the new driver starts new workers, which restore the newest snapshot).
+"""Node-local snapshots of the committed training state, used by every engine.
 
-The first worker of each node (local rank 0) writes `<work dir>/snapshots/latest.pt`
-atomically at a commit, at most every `ELASTICYOLO_SNAPSHOT_S` seconds (default 10); every node
-keeps one, so the state survives the loss of any node. Workers of a freshly started world
-(`ELASTICYOLO_RESTORE=1`, set by the driver for its first world only: later joiners get the
-state from Horovod's sync) agree on the newest snapshot with one allgather and take it from
-its holder with one broadcast. The checkpoint subsystem (spec `checkpoint=`) supersedes this.
+Format: one file per node, `<worker dir>/snapshots/state.pt`, holding a `train.state.core_state`
+dict (versioned with `STATE_FORMAT`: model, EMA + update count, optimizer, AMP scaler, progress).
+Written atomically: a temp file, fsync, rename, fsync of the directory; a torn or foreign file
+reads as "no snapshot".
+
+Writer (`LocalSnapshots`, on local rank 0 of each node): at a commit the training thread only
+copies the tensors to CPU; pickling and the disk write run on a background thread. A newer state
+replaces one still waiting, so at most one write is queued; `save_now` (a drain's quiesce) waits
+until its state is on disk; pending writes are finished at interpreter exit. An engine may
+snapshot less often than it commits (`period_s`).
+
+Restore (`restore_newest`): a collective over a freshly started world with the engine's
+collectives passed in. Every rank offers its node's snapshot step, rank 0 adds the checkpoint
+store's newest step; the newest wins, a node-local one on a tie (no download). Ranks whose node
+holds it load it from disk; otherwise its holder sends it. If the store is ahead of every node,
+rank 0 downloads, verifies and loads it, then sends it. Nothing anywhere: a fresh start.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
-import horovod.torch as hvd
 import torch
 
 from elasticyolo.log import get_logger
-from elasticyolo.train.core import Progress, TrainCore
+from elasticyolo.train.collectives import Collectives
+from elasticyolo.train.state import STATE_FORMAT, core_state, load_core_state, state_step
 
-log = get_logger("elasticyolo.snapshot")
+if TYPE_CHECKING:
+    from elasticyolo.train.checkpointing import Checkpointer
+    from elasticyolo.train.core import TrainCore
 
+log = get_logger("elasticyolo.snapshots")
 
-def snapshot_dir() -> Path | None:
-    base = os.environ.get("ELASTICYOLO_WORK_DIR")
-    return Path(base) / "snapshots" if base else None
-
-
-class LocalSnapshots:
-    def __init__(self, directory: Path | None, local_rank: int, period_s: float | None = None) -> None:
-        self.directory = directory
-        self.enabled = directory is not None and local_rank == 0
-        self.period_s = float(os.environ.get("ELASTICYOLO_SNAPSHOT_S", "10")) if period_s is None else period_s
-        self._last = time.monotonic()
-
-    @property
-    def path(self) -> Path | None:
-        return self.directory / "latest.pt" if self.directory else None
-
-    def maybe_save(self, core: TrainCore) -> None:
-        if not self.enabled or time.monotonic() - self._last < self.period_s:
-            return
-        self._last = time.monotonic()
-        t0 = time.perf_counter()
-        assert self.path is not None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(capture(core), tmp)
-        os.replace(tmp, self.path)
-        log.info("snapshot saved", step=core.progress.step, epoch=core.progress.epoch,
-                 seconds=round(time.perf_counter() - t0, 3))
-
-    def save_now(self, core: TrainCore) -> None:
-        """Save regardless of the period (a drain's quiesce)."""
-        self._last = float("-inf")
-        self.maybe_save(core)
-
-    def load(self) -> dict[str, Any] | None:
-        if self.path is None or not self.path.exists():
-            return None
-        try:
-            return torch.load(self.path, map_location="cpu", weights_only=False)  # type: ignore[no-any-return]
-        except Exception as exc:  # noqa: BLE001 - a torn or foreign file is ignored
-            log.warning("snapshot unreadable; ignoring it", path=str(self.path), error=str(exc))
-            return None
+SNAPSHOT_FILE = "state.pt"
 
 
-def capture(core: TrainCore) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return {"model": core.model.state_dict(), "optimizer": core.optimizer.state_dict(),
-            "ema": core.ema.ema.state_dict(), "ema_updates": core.ema.updates,
-            "progress": asdict(core.progress), "scaler": core.scaler.state_dict(), "saved_at": time.time()}
-
-
-def apply(core: TrainCore, snap: dict[str, Any]) -> None:
-    core.model.load_state_dict(snap["model"])
-    core.optimizer.load_state_dict(snap["optimizer"])
-    core.ema.ema.load_state_dict(snap["ema"])
-    core.ema.updates = snap["ema_updates"]
-    world = core.progress.world
-    core.progress = Progress(**snap["progress"])
-    core.progress.world = world or core.progress.world
-    if snap.get("scaler"):
-        core.scaler.load_state_dict(snap["scaler"])
-    core.sync_sampler_from_progress()
+# ---- format ------------------------------------------------------------------------------------
+def write_snapshot(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Atomic and durable: a crash at any point leaves the previous snapshot or this one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(dict(state), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself
+    finally:
+        os.close(dir_fd)
 
 
-def restore_newest(core: TrainCore, snaps: LocalSnapshots) -> int | None:
-    """Collective over the fresh world: every rank ends with the newest snapshot any rank holds.
-    Returns the restored step, or None when no rank had one."""
-    t0 = time.perf_counter()
-    mine = snaps.load() if snaps.directory is not None else None
-    step = int(mine["progress"]["step"]) if mine else -1
-    saved_at = float(mine.get("saved_at", 0)) if mine else 0.0
-    offers = hvd.allgather_object((step, saved_at), name="snapshot_offers")
-    best = max(range(len(offers)), key=lambda r: offers[r])
-    if offers[best][0] < 0:
+def read_snapshot(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The snapshot at `path`, or None when there is none or it is unreadable (torn, foreign)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
         return None
-    if hvd.rank() == best:
+    except Exception as exc:  # noqa: BLE001 - a corrupt local snapshot only means "fall back"
+        log.warning("snapshot unreadable; ignoring it", path=str(path), error=str(exc))
+        return None
+    return state if isinstance(state, dict) and state.get("format") == STATE_FORMAT else None
+
+
+# ---- writer ------------------------------------------------------------------------------------
+class LocalSnapshots:
+    """This node's snapshot file: every local rank reads it, the one with `writer=True` writes it."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None, *, writer: bool = True,
+                 period_s: float = 0.0) -> None:
+        self.path = Path(directory) / SNAPSHOT_FILE if directory is not None else None
+        self.writer = writer and self.path is not None
+        self.period_s = period_s
+        self.written_step = -1
+        self._last_submit = float("-inf")
+        self._cond = threading.Condition()
+        self._pending: dict[str, Any] | None = None
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def maybe_save(self, core: "TrainCore") -> bool:
+        """At a commit: snapshot unless the last one is younger than `period_s`."""
+        if not self.writer or time.monotonic() - self._last_submit < self.period_s:
+            return False
+        self.submit(core_state(core))
+        return True
+
+    def save_now(self, core: "TrainCore", timeout: float | None = 60.0) -> bool:
+        """Snapshot regardless of the period and wait until it is on disk (a drain's quiesce)."""
+        if not self.writer:
+            return True
+        self.submit(core_state(core))
+        return self.flush(timeout)
+
+    def submit(self, state: dict[str, Any]) -> None:
+        if not self.writer:
+            return
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="local-snapshot", daemon=True)
+                self._thread.start()
+                atexit.register(self.close)  # a worker leaving (peer died, job done) still finishes the write
+            self._last_submit = time.monotonic()
+            self._pending = state
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        if self._thread is None:
+            return
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(5.0)
+
+    def read(self) -> dict[str, Any] | None:
+        return read_snapshot(self.path) if self.path is not None else None
+
+    def _run(self) -> None:
+        assert self.path is not None
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                state, self._pending, self._busy = self._pending, None, True
+            t0 = time.perf_counter()
+            try:
+                write_snapshot(state, self.path)
+                self.written_step = state_step(state)
+                log.debug("snapshot saved", step=self.written_step, seconds=round(time.perf_counter() - t0, 3))
+            except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
+                log.warning("local snapshot failed", path=str(self.path), error=str(exc))
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+# ---- restore -----------------------------------------------------------------------------------
+@dataclass
+class Restored:
+    source: str  # local | peer | store | fresh
+    step: int
+    src_rank: int = -1
+
+
+def _send_state(state: dict[str, Any] | None, src: int, collectives: Collectives) -> dict[str, Any]:
+    data = None
+    if collectives.rank == src:
+        assert state is not None
         buf = io.BytesIO()
-        torch.save(mine, buf)
-        payload: Any = buf.getvalue()
+        torch.save(state, buf)
+        data = buf.getvalue()
+    payload = collectives.broadcast_bytes(data, src)
+    if collectives.rank == src:
+        assert state is not None
+        return state
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)  # type: ignore[no-any-return]
+
+
+def restore_newest(core: "TrainCore", snapshots: LocalSnapshots | None, collectives: Collectives,
+                   checkpointer: "Checkpointer | None" = None) -> Restored:
+    """Load the newest state anywhere in the world into `core` (every rank calls this)."""
+    t0 = time.perf_counter()
+    rank = collectives.rank
+    local = snapshots.read() if snapshots is not None else None
+    local_step = state_step(local) if local is not None else -1
+    store_step = -1
+    if rank == 0 and checkpointer is not None and checkpointer.enabled:
+        try:
+            store_step = checkpointer.latest_step()
+        except Exception as exc:  # noqa: BLE001 - an unreachable store must not block a local resume
+            log.warning("checkpoint store unreadable; using local state only", error=str(exc))
+    gathered = collectives.allgather_object((local_step, store_step))
+    steps = [int(g[0]) for g in gathered]
+    store_step = int(gathered[0][1])
+    best = max(steps)
+    if best < 0 and store_step < 0:
+        return Restored("fresh", 0)
+    if best >= store_step:
+        src = steps.index(best)
+        if all(s == best for s in steps):
+            assert local is not None
+            load_core_state(core, local)
+            restored = Restored("local", best, src)
+        else:
+            load_core_state(core, _send_state(local if rank == src else None, src, collectives))
+            restored = Restored("local" if steps[rank] == best else "peer", best, src)
     else:
-        payload = None
-    payload = hvd.broadcast_object(payload, root_rank=best, name="snapshot_state")
-    apply(core, torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False))
-    log.info("restored snapshot", step=core.progress.step, epoch=core.progress.epoch, from_rank=best,
+        # The store is ahead of every node (all nodes are new, or snapshots were lost).
+        state = None
+        if rank == 0 and checkpointer is not None and checkpointer.restore_into(core):
+            state = core_state(core)
+        if not collectives.broadcast_object(state is not None, 0):
+            return Restored("fresh", 0)
+        state = _send_state(state, 0, collectives)
+        if rank != 0:
+            load_core_state(core, state)
+        restored = Restored("store", core.progress.step, 0)
+    log.info("restored", source=restored.source, step=restored.step, from_rank=restored.src_rank,
              seconds=round(time.perf_counter() - t0, 3))
-    return core.progress.step
+    return restored

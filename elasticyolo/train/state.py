@@ -2,8 +2,8 @@
 
 Two shapes:
 * `core_state(core)` / `load_core_state(core, state)`: a lean dict of CPU tensors (model, EMA,
-  optimizer, AMP scaler, progress). Engines use it for fast node-local snapshots and to hand
-  state from one rank to the others; it is cheap because nothing is deep-copied as a module.
+  optimizer, AMP scaler, progress). Node-local snapshots (`train/snapshots.py`) store it and ranks
+  hand it to each other; it is cheap because nothing is deep-copied as a module.
 * `build_core_checkpoint(core)` / `load_core_checkpoint(core, ckpt)`: the Ultralytics-compatible
   checkpoint of `elasticyolo.checkpoint.format` (`YOLO(path)` loads it), with the progress
   record in its `resume` section. `save_checkpoint_file(core, path)` writes one.
@@ -83,30 +83,6 @@ def load_core_state(core: "TrainCore", state: Mapping[str, Any]) -> None:
 
 def state_step(state: Mapping[str, Any]) -> int:
     return int(state["progress"]["step"])
-
-
-# ---- node-local snapshot files --------------------------------------------------------------
-def write_state_file(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Atomic write (temp file + rename): a crash mid-write leaves the previous snapshot intact."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(dict(state), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def read_state_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The snapshot at `path`, or None when there is none or it is unreadable (a torn file)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - a corrupt local snapshot only means "fall back"
-        return None
-    return state if isinstance(state, dict) and state.get("format") == STATE_FORMAT else None
 
 
 # ---- Ultralytics-compatible checkpoints ------------------------------------------------------

@@ -3,10 +3,10 @@
 `ClusterView` polls the job's `nodes/` and `exit/` prefixes in one etcd txn a few times a
 second from its own thread and keeps the last good answer; `EtcdHostDiscovery` answers
 Horovod from that cache. Horovod calls discovery once a second while holding its hosts
-condition and has no timeout of its own (a hanging discovery script stalled recovery for
-~27 s, DESIGN.md), so discovery never does I/O: it is bounded by construction, and when etcd
-is unreachable it keeps returning the last known hosts instead of an empty set (which would
-pause training).
+condition and has no timeout of its own (measured with plain horovodrun: a hanging discovery
+script stretched a 0.6 s recovery to 27.6 s), so discovery never does I/O: it is bounded by
+construction, and when etcd is unreachable it keeps returning the last known hosts instead of an
+empty set (which would pause training until the elastic timeout).
 
 Host names are node ids: the leader starts workers through the node agents, so Horovod never
 resolves or SSHes to them.
@@ -22,22 +22,16 @@ from typing import Any, Callable
 
 from horovod.runner.elastic.discovery import HostDiscovery
 
+from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
-# Node states whose slots Horovod may use; DRAINING/JOINING/LEFT nodes are not offered.
-SERVING_STATES = ("IDLE", "TRAINING")
-
-
-def exits_prefix(keys: JobKeys) -> str:
-    return keys.prefix + "exit/"
-
 
 def slots_of(record: dict[str, Any], max_slots: int | None) -> int:
     """Slots a node offers: its pre-warmed slots when it reports them, else its slot count."""
-    # A draining node handing over (drain.py) stays listed until its world has snapshotted:
+    # A draining node handing over (engines/drain.py) stays listed until its world has snapshotted:
     # a hosts-updated reset racing the quiesce request would otherwise remove it first.
     handing_over = record.get("state") == "DRAINING" and record.get("drain_mode") == "handover"
     if record.get("state") not in SERVING_STATES and not handing_over:
@@ -81,7 +75,7 @@ class ClusterView:
 
     def refresh(self) -> bool:
         ranges = []
-        for prefix in (self.keys.nodes, exits_prefix(self.keys)):
+        for prefix in (self.keys.nodes, self.keys.exits):
             ranges.append({"request_range": {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix))}})
         try:
             result = self.client.txn([], ranges, [], )

@@ -25,10 +25,12 @@ from horovod.runner.common.util.hosts import SlotInfo
 from horovod.runner.http.http_server import RendezvousHTTPServer, RendezvousServer
 from horovod.runner.util.threads import in_thread
 
+from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
-from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot, exits_prefix
+from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
+from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
@@ -37,10 +39,6 @@ from elasticyolo.spec import TrainSpec
 STOP_REPORT_S = 5.0
 # A host change Horovod has not acted on after this long is announced to the workers again.
 RENOTIFY_S = 3.0
-
-
-def launch_key(keys: JobKeys, node_id: str, local_rank: int) -> str:
-    return f"{keys.launch(node_id)}/{local_rank}"
 
 
 class BoundRendezvousServer(RendezvousServer):
@@ -122,8 +120,8 @@ class DriverRunner:
             for k in ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME"):
                 run_env.pop(k, None)
             run_env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(spec.gloo_timeout_s)
-            run_env["ELASTICYOLO_SPEC"] = spec.to_json()
-            run_env["ELASTICYOLO_DRIVER_TERM"] = str(self.term)  # workers act only on this term's quiesce (drain.py)
+            # Workers act only on this term's quiesce requests (engines/drain.py).
+            run_env.update(WorkerEnv(spec_json=spec.to_json(), term=self.term).to_env())
             watcher = threading.Thread(target=self._watch_world, name="world-writer", daemon=True)
             watcher.start()
             driver.start(num_proc, self._create_worker_fn({k: str(v) for k, v in run_env.items()}))
@@ -171,7 +169,7 @@ class DriverRunner:
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline and not self._stopping.is_set():
             nodes = self.view.snapshot.nodes
-            serving = [n for n, r in nodes.items() if r.get("state") in ("IDLE", "TRAINING")]
+            serving = [n for n, r in nodes.items() if r.get("state") in SERVING_STATES]
             current = driver.wait_for_available_slots(min_np)
             if all(n in current.available_hosts for n in serving):
                 break
@@ -236,13 +234,14 @@ class DriverRunner:
     def _create_worker_fn(self, run_env: dict[str, str]) -> Callable[[SlotInfo, list[threading.Event]], tuple[int, float]]:
         def create_worker(slot: SlotInfo, events: list[threading.Event]) -> tuple[int, float]:
             request_id = self._next_id(slot)
-            key = launch_key(self.keys, slot.hostname, slot.local_rank)
+            key = self.keys.launch_slot(slot.hostname, slot.local_rank)
             env = {**run_env, **create_slot_env_vars(slot)}
             assert self.driver is not None
             if self.driver._worker_registry.last_rendezvous() == 1:
-                # This driver's first world: its workers agree on the newest snapshot (snapshot.py).
-                # Read before the request is written, so no later reset can have happened yet.
-                env["ELASTICYOLO_RESTORE"] = "1"
+                # This driver's first world: its workers agree on the newest snapshot
+                # (train/snapshots.py). Read before the request is written, so no later reset can
+                # have happened yet.
+                env.update(WorkerEnv(restore=True).to_env())
             request = {"action": "start", "id": request_id, "term": self.term, "env": env, "at": time.time()}
             log = self.log.bind(slot=f"{slot.hostname}[{slot.local_rank}]", rank=slot.rank, request=request_id)
             try:
@@ -304,7 +303,7 @@ class DriverRunner:
 
     def _forget(self, request_id: str) -> None:
         try:
-            self.client.delete(exits_prefix(self.keys) + request_id)
+            self.client.delete(self.keys.exit(request_id))
         except (UnavailableError, EtcdError):
             pass  # leased by the node: goes with it
 

@@ -1,5 +1,6 @@
-"""Plugs the Horovod engine into the agent (see agent/hooks.py): every agent runs a worker
-`Launcher`; the leader also runs a `DriverRunner` while a horovod job is active.
+"""The Horovod engine on one node (agent side; no torch): every agent runs a worker `Launcher`
+(and a `PrewarmPool` of warm workers); the leader also runs a `DriverRunner` while the job is
+active. Created by `engines/dispatch.py` for `engine=horovod` jobs.
 
 Everything here runs on the agent loop thread and only starts/stops threads and processes, so
 it never blocks the loop for long. etcd hiccups are logged and retried on the next tick.
@@ -8,154 +9,165 @@ it never blocks the loop for long. etcd hiccups are logged and retried on the ne
 from __future__ import annotations
 
 import os
-import tempfile
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from elasticyolo.agent.plugin import AgentHooks
+from elasticyolo.agent.plugin import NodeAPI
 from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.etcd import EtcdError
+from elasticyolo.engines.base import DrainMode, DrainSituation
+from elasticyolo.engines.horovod.drain import other_serving_slots
+from elasticyolo.engines.node import EngineNode
+from elasticyolo.engines.worker_env import node_work_dir
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
 if TYPE_CHECKING:
-    from elasticyolo.agent.daemon import Agent
-    from elasticyolo.engines.horovod.drain import HorovodDrain
+    from elasticyolo.engines.base import Engine
     from elasticyolo.engines.horovod.driver import DriverRunner
     from elasticyolo.engines.horovod.launcher import Launcher
     from elasticyolo.engines.horovod.prewarm import PrewarmPool
 
-
-def default_work_dir(job: str, node_id: str) -> Path:
-    base = os.environ.get("ELASTICYOLO_WORK_DIR") or os.path.join(tempfile.gettempdir(), "elasticyolo")
-    return Path(base) / job / node_id
+ENV_PREWARM = "ELASTICYOLO_PREWARM"  # "0": start plain workers (no warm pool)
 
 
-class HorovodEngineHooks(AgentHooks):
-    def __init__(self, prewarm: bool | None = None) -> None:
+class HorovodNode(EngineNode):
+    def __init__(self, engine: "Engine", agent: NodeAPI, prewarm: bool | None = None) -> None:
+        super().__init__(engine, agent)
         self.launcher: "Launcher | None" = None
         self.runner: "DriverRunner | None" = None
         self.pool: "PrewarmPool | None" = None
-        self.drain: "HorovodDrain | None" = None
         self._runner_key: tuple[int, int] | None = None  # (term, spec revision) the runner serves
         self._finished_key: tuple[int, int] | None = None
-        self.prewarm = (os.environ.get("ELASTICYOLO_PREWARM", "1") != "0") if prewarm is None else prewarm
-        self.log: Any = None
+        self._generation: int | None = None
+        self.prewarm = (os.environ.get(ENV_PREWARM, "1") != "0") if prewarm is None else prewarm
+        self.log = get_logger("elasticyolo.horovod", node=agent.cfg.node_id, job=agent.cfg.job)
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def on_start(self, agent: "Agent") -> None:
-        from elasticyolo.agent.daemon import make_client
+    def on_start(self, agent: NodeAPI) -> None:
+        from elasticyolo.cluster.settings import EtcdSettings
         from elasticyolo.engines.horovod.launcher import Launcher
+        from elasticyolo.engines.worker_env import WorkerEnv
 
         cfg = agent.cfg
-        self.log = get_logger("elasticyolo.horovod", node=cfg.node_id, job=cfg.job)
-        self._export_etcd_env(agent)
-        work_dir = default_work_dir(cfg.job, cfg.node_id)
-        self.launcher = Launcher(make_client(cfg), agent.keys, cfg.node_id, cfg.addr,
-                                 lease=lambda: agent.registration.lease_id, wake=agent.wake, work_dir=work_dir)
+        # Workers report progress to etcd: they get the agent's connection settings through their
+        # environment (never the command line, never etcd).
+        env = WorkerEnv(etcd=EtcdSettings.from_config(cfg), job=cfg.job, node_id=cfg.node_id)
+        self.launcher = Launcher(agent.new_client(), agent.keys, cfg.node_id, cfg.addr, lease=agent.lease_id,
+                                 wake=agent.wake, worker_env=env)
 
-    def on_tick(self, agent: "Agent") -> None:
+    def on_tick(self, agent: NodeAPI) -> None:
         job = agent.job
-        horovod_job = job.active and job.spec is not None and job.spec.engine == "horovod"
+        active = job.active and job.spec is not None
         serving = agent.state in (NodeState.IDLE, NodeState.TRAINING)
-        draining = agent.state is NodeState.DRAINING and self.drain is not None and self.drain.mode != "idle"
+        draining = agent.state is NodeState.DRAINING and self.drain_mode not in (None, DrainMode.STOP)
+        if active and self.launcher is not None and job.generation != self._generation:
+            self._generation = job.generation
+            self.launcher.work_dir = node_work_dir(agent.cfg.work_dir, agent.cfg.job, agent.cfg.node_id,
+                                                   job.generation)
+            self.launcher.worker_env = replace(self.launcher.worker_env, generation=job.generation)
         try:
-            self._manage_prewarm(agent, horovod_job and serving)
+            self._manage_prewarm(agent, active and serving)
             if self.launcher is not None:
-                # Draining: the worker keeps running until the world lets it go (drain.py); only a
-                # withdrawn request (the driver stopped) stops it here.
-                self.launcher.reconcile(horovod_job and (serving or draining))
+                # Draining: the worker keeps running until the world lets it go (engines/drain.py);
+                # only a withdrawn request (the driver stopped) stops it here.
+                self.launcher.reconcile(active and (serving or draining))
         except (UnavailableError, EtcdError) as exc:
             self.log.warning("launcher could not read etcd; will retry", error=str(exc))
         if not draining:
-            self._manage_driver(agent, horovod_job and serving and agent.is_leader)
+            self._manage_driver(agent, active and serving and agent.is_leader)
 
-    def on_lose_leadership(self, agent: "Agent", reason: str) -> None:
-        self._stop_runner(f"lost leadership: {reason}")
+    def on_lose_leadership(self, agent: NodeAPI, reason: str) -> None:
+        self.release(f"lost leadership: {reason}")
 
-    def before_drain(self, agent: "Agent") -> None:
-        from elasticyolo.engines.horovod.drain import HorovodDrain
-
-        self.drain = HorovodDrain(agent, self)
-        try:
-            self.drain.plan()
-        except (UnavailableError, EtcdError) as exc:
-            self.log.warning("could not plan the drain; leaving through a plain stop", error=str(exc))
-            self.drain.mode = "idle"
-
-    def keeps_leadership_while_draining(self, agent: "Agent") -> bool:
-        return self.drain is not None and self.drain.mode == "handover" and self.runner is not None
-
-    def on_drain(self, agent: "Agent", deadline: float) -> bool:
+    def on_drain(self, agent: NodeAPI, deadline: float) -> bool:
         self._stop_pool()
-        if self.drain is None or self.drain.mode == "idle":
-            self._stop_runner("draining")
-            return self.launcher is None or self.launcher.stop_all("draining")
-        done = self.drain.step(deadline)
-        if done:
-            self._stop_runner("drained")
-        return done
+        return super().on_drain(agent, deadline)
 
-    def on_stop(self, agent: "Agent") -> None:
-        self._stop_runner("agent stopping")
+    def on_stop(self, agent: NodeAPI) -> None:
+        self.release("agent stopping")
         self._stop_pool()
         if self.launcher is not None:
             self.launcher.kill_all_now()
 
+    # ---- drain effects (engines/drain.py) -------------------------------------------------
+    def drain_situation(self, agent: NodeAPI) -> DrainSituation:
+        spec = agent.job.spec
+        runs_driver = self.runner is not None and self.runner.alive()
+        has_worker = self.running_workers() > 0
+        if spec is None or not (runs_driver or has_worker):
+            return DrainSituation(has_work=False)
+        return DrainSituation(
+            has_work=True, runs_coordinator=runs_driver,
+            coordinator_term=self.runner.term if runs_driver and self.runner is not None else None,
+            other_slots=other_serving_slots(agent.client, agent.keys, agent.cfg.node_id, spec.slots),
+            needed_slots=spec.min_nodes * spec.slots)
+
+    def running_workers(self) -> int:
+        return self.launcher.running() if self.launcher is not None else 0
+
+    def stop_workers(self, reason: str) -> None:
+        self.release(reason)
+        if self.launcher is not None:
+            self.launcher.stop_all(reason)
+
+    def release(self, reason: str) -> None:
+        """Stop the driver this node runs for the job (leader only), if any."""
+        if self.runner is not None:
+            self.runner.stop(reason)
+            self.runner = None
+            self._runner_key = None
+
     # ---- driver (leader only) -----------------------------------------------------------
-    def _manage_driver(self, agent: "Agent", want: bool) -> None:
+    def _manage_driver(self, agent: NodeAPI, want: bool) -> None:
         if not want:
             if self.runner is not None:
-                self._stop_runner("job inactive or not leader")
+                self.release("job inactive or not leader")
             return
-        key = (agent.election.term, agent.job.revision[0])
+        key = (agent.election.term, agent.job.generation)
         if self.runner is not None and self._runner_key == key:
             if not self.runner.alive() and self.runner.result is not None:
                 self._finished_key = key
             return
         if self._finished_key == key:
             return  # this run ended (its state write may not have reached us yet)
-        self._stop_runner("new term or spec")
+        self.release("new term or spec")
         from elasticyolo.engines.horovod.driver import DriverRunner
 
         assert agent.job.spec is not None
-        self.runner = DriverRunner(client=_driver_client(agent), keys=agent.keys, election=agent.election,
-                                   spec=agent.job.spec, addr=agent.cfg.addr,
-                                   lease=lambda: agent.registration.lease_id, node_id=agent.cfg.node_id).start()
+        self.runner = DriverRunner(client=agent.new_client(), keys=agent.keys, election=agent.election,
+                                   spec=agent.job.spec, addr=agent.cfg.addr, lease=agent.lease_id,
+                                   node_id=agent.cfg.node_id).start()
         self._runner_key = key
 
-    def _stop_runner(self, reason: str) -> None:
-        if self.runner is not None:
-            self.runner.stop(reason)
-            self.runner = None
-            self._runner_key = None
-
     # ---- pre-warmed workers -------------------------------------------------------------
-    def _manage_prewarm(self, agent: "Agent", want: bool) -> None:
+    def _manage_prewarm(self, agent: NodeAPI, want: bool) -> None:
         if not self.prewarm or self.launcher is None:
             return
         spec = agent.job.spec
         if not want or spec is None:
             if self.pool is not None:
                 self._stop_pool()
-                self._publish_ready(agent, None)
+                agent.set_record_field("ready_slots", None)
             return
         from elasticyolo.engines.horovod.prewarm import PrewarmPool
 
         slots = min(agent.cfg.slots, spec.slots)
-        if self.pool is None or self.pool.spec_json != spec.to_json():
+        work_dir: Path = self.launcher.work_dir
+        if self.pool is None or self.pool.spec_json != spec.to_json() or self.pool.work_dir != work_dir:
             self._stop_pool()
-            self.pool = PrewarmPool(spec.to_json(), slots, self.launcher.work_dir, self.launcher.iface,
+            self.pool = PrewarmPool(spec.to_json(), slots, work_dir, self.launcher.iface,
                                     node=agent.cfg.node_id, job=agent.cfg.job)
             self.launcher.spawner = self.pool
         if self.pool.gave_up:
             self.launcher.spawner = None
-            self._publish_ready(agent, None)
+            agent.set_record_field("ready_slots", None)
             return
         running = self.launcher.running_slots()
         self.pool.fill(running)
         # Only slots whose worker is warm (or already training) are offered to Horovod.
-        self._publish_ready(agent, len((self.pool.ready_slots() | running) & set(range(slots))))
+        agent.set_record_field("ready_slots", len((self.pool.ready_slots() | running) & set(range(slots))))
 
     def _stop_pool(self) -> None:
         if self.pool is not None:
@@ -163,29 +175,3 @@ class HorovodEngineHooks(AgentHooks):
             self.pool = None
         if self.launcher is not None:
             self.launcher.spawner = None
-
-    def _publish_ready(self, agent: "Agent", ready: int | None) -> None:
-        extra = agent.record.extra
-        if extra.get("ready_slots") != ready:
-            if ready is None:
-                extra.pop("ready_slots", None)
-            else:
-                extra["ready_slots"] = ready
-            agent._record_dirty = True  # written by the loop at the end of this iteration
-            agent.wake()
-
-    def _export_etcd_env(self, agent: "Agent") -> None:
-        """Workers publish progress to etcd: they inherit the agent's connection settings through
-        the environment (never the command line, never etcd)."""
-        cfg = agent.cfg
-        os.environ["ELASTICYOLO_ETCD"] = ",".join(cfg.etcd)
-        for name in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password"):
-            value = getattr(cfg, name)
-            if value:
-                os.environ[f"ELASTICYOLO_{name.upper()}"] = str(value)
-
-
-def _driver_client(agent: "Agent") -> Any:
-    from elasticyolo.agent.daemon import make_client
-
-    return make_client(agent.cfg)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from elasticyolo.engines.spawn import kill_now, pump_output, spawn, worker_command
+from elasticyolo.engines.worker_env import ENV_SPEC, WorkerEnv
 from elasticyolo.log import get_logger
 
 READY_LINE = "ELASTICYOLO-PREWARM-READY"
@@ -54,9 +56,7 @@ class PrewarmPool:
         return self.failures >= MAX_FAILURES
 
     def fill(self, running_slots: set[int] | None = None) -> None:
-        """Spawn warm processes for free slots (agent loop thread: see pdeathsig.py)."""
-        from elasticyolo.engines.horovod import pdeathsig
-
+        """Spawn warm processes for free slots (agent loop thread: see engines/lifeline.py)."""
         busy = running_slots if running_slots is not None else set()
         for slot in range(self.slots):
             with self._lock:
@@ -70,12 +70,9 @@ class PrewarmPool:
                     w = None
             if w is not None or slot in busy or self.gave_up or time.monotonic() < self._retry_at:
                 continue
-            env = {**os.environ, "ELASTICYOLO_SPEC": self.spec_json, pdeathsig.ENV: str(os.getpid()),
-                   "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_IFACE": self.iface, "GLOO_SOCKET_IFNAME": self.iface}
-            self.work_dir.mkdir(parents=True, exist_ok=True)
-            proc = subprocess.Popen([sys.executable, "-m", "elasticyolo.cli", "worker", "--prewarm-slot", str(slot)],
-                                    env=env, cwd=self.work_dir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            env = {**os.environ, "HOROVOD_GLOO_IFACE": self.iface, "GLOO_SOCKET_IFNAME": self.iface}
+            proc = spawn(worker_command("--prewarm-slot", str(slot)), env, WorkerEnv(spec_json=self.spec_json),
+                         cwd=self.work_dir, stdin=subprocess.PIPE)
             w = WarmProcess(slot, proc)
             with self._lock:
                 self.warm[slot] = w
@@ -94,7 +91,7 @@ class PrewarmPool:
             if w is None or not w.ready.is_set() or w.proc.poll() is not None:
                 return None
             self.failures = 0
-            if env.get("ELASTICYOLO_SPEC") != self.spec_json:
+            if env.get(ENV_SPEC) != self.spec_json:
                 return None
             del self.warm[slot]
         assert w.proc.stdin is not None
@@ -106,21 +103,13 @@ class PrewarmPool:
         return w.proc
 
     def close(self) -> None:
-        import signal
-
         with self._lock:
             procs = list(self.warm.values())
             self.warm.clear()
         for w in procs:
-            try:
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            w.proc.wait(10)
+            kill_now(w.proc)
 
     def _pump(self, w: WarmProcess) -> None:
-        from elasticyolo.engines.horovod.launcher import pump_output
-
         def on_line(line: str) -> bool:
             if line.strip() == READY_LINE:
                 self.log.info("worker warm", slot=w.slot, pid=w.proc.pid)
@@ -132,12 +121,9 @@ class PrewarmPool:
 
 
 # ---- worker side --------------------------------------------------------------------------
-def serve(slot: int, make_sinks: Callable[[], list[Any]]) -> int:
-    """Build the training core, say READY, wait for the Horovod environment, then train."""
-    from elasticyolo.spec import TrainSpec
-
-    spec = TrainSpec.from_json(os.environ["ELASTICYOLO_SPEC"], "ELASTICYOLO_SPEC")
-    from elasticyolo.engines.horovod.worker import run_worker
+def serve(spec: Any, slot: int, train: Callable[[Any], int]) -> int:
+    """Build the training core, say READY, wait for the Horovod environment, then
+    `train(core)` (the engine's worker entry, once the environment is complete)."""
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
 
     quiet_ultralytics()
@@ -147,8 +133,7 @@ def serve(slot: int, make_sinks: Callable[[], list[Any]]) -> int:
     if not line:
         return 0  # the agent closed the pool
     os.environ.update(json.loads(line))
-    from elasticyolo.engines.horovod import pdeathsig
+    from elasticyolo.engines.lifeline import die_with_agent
 
-    pdeathsig.arm_from_env()  # the same agent, re-checked
-    run_worker(spec, sinks=make_sinks(), core=core)
-    return 0
+    die_with_agent()  # the same agent, re-checked
+    return train(core)

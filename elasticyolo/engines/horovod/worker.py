@@ -4,12 +4,12 @@ State kept by `hvd.elastic.TorchState`: optimizer, model, EMA model (tensors bro
 0 on sync) and a progress record (epoch, consumed samples, step, LR-ramp state), the AMP scaler
 and EMA update count (plain objects). A commit copies them to host memory; a failed collective
 rolls every survivor back to the last commit, and the sampler resumes from that record, so no
-sample of an epoch is trained twice or skipped (counting committed work only).
+sample of an epoch is trained twice or skipped (counting committed work only). A commit is
+`engines/commit.py`'s, with `HorovodCommit` as the engine's part.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -20,15 +20,19 @@ import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
+from elasticyolo.engines import worker_env
+from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
-
-from elasticyolo.train.snapshots import LocalSnapshots, restore_newest, snapshot_dir
+from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
-from elasticyolo.train.checkpointing import Checkpointer, job_name
-from elasticyolo.train.digest import optimizer_state_digest, params_digest
+from elasticyolo.train.checkpointing import Checkpointer
 from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics
+from elasticyolo.train.digest import optimizer_state_digest, params_digest
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
+from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
+
+SNAPSHOT_PERIOD_S = 10.0  # node-local snapshots (for a leader loss) at most this often
 
 log = get_logger("elasticyolo.worker")
 
@@ -87,42 +91,41 @@ def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-class HorovodHooks:
-    """Commits through the elastic state; picks the commit interval (~1 s of work) on rank 0."""
+class HorovodCollectives:
+    """`train.collectives.Collectives` over Horovod (the current world)."""
 
-    def __init__(self, state: "AlwaysSyncTorchState", core: TrainCore, target_s: float = 1.0,
-                 snapshots: LocalSnapshots | None = None, checkpointer: Checkpointer | None = None) -> None:
-        self.state, self.core, self.target_s = state, core, target_s
-        self.snapshots = snapshots
-        self.checkpointer = checkpointer
-        self._fixed = core.spec.commit_every
-        self._t_last = time.perf_counter()
-        self._step_last = core.progress.step
+    @property
+    def rank(self) -> int:
+        return int(hvd.rank())
 
-    def commit(self) -> None:
+    @property
+    def size(self) -> int:
+        return int(hvd.size())
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return list(hvd.allgather_object(obj, name="allgather_object"))
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return hvd.broadcast_object(obj, root_rank=src, name="broadcast_object")
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        return bytes(hvd.broadcast_object(data, root_rank=src, name="broadcast_bytes"))
+
+
+class HorovodCommit:
+    """Horovod's part of a commit (`engines/commit.py`): `state.commit()` is save() +
+    check_host_updates(); the snapshot and the checkpoint go in between, so they hold exactly the
+    committed state even when the check raises a hosts-updated reset."""
+
+    def __init__(self, state: "AlwaysSyncTorchState", core: TrainCore) -> None:
+        self.state, self.core = state, core
+
+    def save(self) -> None:
         store_core_into_state(self.core, self.state)
-        if self.snapshots is not None:
-            # Before state.commit(): it saves, then may raise to reset; the core is the commit.
-            self.snapshots.maybe_save(self.core)
-        # state.commit() is save() + check_host_updates(); the checkpoint goes in between so it
-        # holds exactly the committed state even when the check raises a hosts-updated reset.
         self.state.save()
-        if self.checkpointer is not None:
-            self.checkpointer.after_commit(self.core)
+
+    def check(self) -> None:
         self.state.check_host_updates()
-
-    def gather(self, obj: Any) -> list[Any]:
-        return list(hvd.allgather_object(obj, name="val_stats"))
-
-    def commit_every(self, core: TrainCore) -> int:
-        if self._fixed:
-            return self._fixed
-        now, step = time.perf_counter(), core.progress.step
-        per_step = (now - self._t_last) / max(step - self._step_last, 1)
-        self._t_last, self._step_last = now, step
-        n = max(1, round(self.target_s / per_step)) if step > 0 else 1
-        # Every rank must commit at the same steps: rank 0 decides.
-        return int(hvd.broadcast_object(n, root_rank=0, name="commit_every"))
 
 
 def store_core_into_state(core: TrainCore, state: Any) -> None:
@@ -140,10 +143,13 @@ def load_core_from_state(core: TrainCore, state: Any) -> None:
     core.sync_sampler_from_progress()
 
 
-def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
-               core: TrainCore | None = None) -> Summary | None:
-    """`core`: built before `hvd.init()` by a pre-warmed worker (prewarm.py), else built here."""
+def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: TrainCore | None = None,
+               progress: EtcdProgress | None = None, commit_target_s: float = 1.0) -> Summary | None:
+    """`core`: built before `hvd.init()` by a pre-warmed worker (prewarm.py), else built here.
+    `progress`: the etcd sink (also among `sinks`), which takes the resume records.
+    `commit_target_s`: seconds of work between commits (`engine.py`)."""
     quiet_ultralytics()
+    env = worker_env.read()
     hvd.init()
     compression = hvd.Compression.fp16 if spec.fp16_allreduce else hvd.Compression.none
 
@@ -160,17 +166,17 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         core.grad_allreduce = allreduce
         core.progress.world = 0  # built for world 1: the first set_world is not a resize
         core.set_world(hvd.size(), hvd.rank())
-    snapshots = LocalSnapshots(snapshot_dir(), hvd.local_rank())
-    checkpointer = Checkpointer(spec, job_name(), hvd.rank(), sinks=sinks if hvd.rank() == 0 else None)
-    restored_step = None
-    if os.environ.get("ELASTICYOLO_RESTORE") == "1":
-        # A freshly started world (e.g. after leader loss): resume from the newest snapshot.
-        restored_step = restore_newest(core, snapshots)
-    if hvd.rank() == 0:
+    collectives = HorovodCollectives()
+    snapshots = LocalSnapshots(env.snapshot_dir, writer=hvd.local_rank() == 0,
+                               period_s=env.snapshot_period(SNAPSHOT_PERIOD_S))
+    checkpointer = Checkpointer(spec, env.job or "default", hvd.rank(), sinks=sinks if hvd.rank() == 0 else None)
+    if env.restore:
+        # A freshly started world (e.g. after leader loss): the newest snapshot or checkpoint.
+        restore_newest(core, snapshots, collectives, checkpointer)
+    elif hvd.rank() == 0:
         # A fresh process holding rank 0 is a cold start (Horovod keeps rank 0 on the oldest
-        # surviving host): the newest checkpoint wins if it is newer than any local snapshot, and
-        # the first sync hands it to every rank.
-        checkpointer.restore_into(core, newer_than=-1 if restored_step is None else restored_step)
+        # surviving host): the newest checkpoint, handed to every rank by the first sync.
+        checkpointer.restore_into(core)
     prime_optimizer_state(core.optimizer)
     trace = TraceWriter()
     # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
@@ -218,7 +224,8 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         log.info("training", rank=core.rank, world=core.world, epoch=core.progress.epoch, step=core.progress.step)
         checkpointer.rank = core.rank
         checkpointer.sinks = list(sinks or []) if core.rank == 0 else []
-        hooks = HorovodHooks(state, core, snapshots=snapshots, checkpointer=checkpointer)
+        hooks = CommitHooks(core, collectives, target_s=commit_target_s, snapshots=snapshots,
+                            checkpointer=checkpointer, engine=HorovodCommit(state, core))
         loop = TrainingLoop(core, hooks=hooks, sinks=sinks if core.rank == 0 else [], trace=trace)
         return loop.run()
 
@@ -228,11 +235,12 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
         step, lost, reason = core.progress.step, max(0, before - core.progress.step), "reset"
         if first:
             reason, lost = "start", None
-            if os.environ.get("ELASTICYOLO_RESTORE") == "1":
+            if env.restore:
                 ack = poller.last_ack()
                 reason = "restore"
                 lost = max(0, int(ack["step"]) - step) if ack and ack.get("step") is not None else None
-        poller.report_resume(step, hvd.size(), lost, reason)
+        if progress is not None:
+            progress.resume(step, hvd.size(), lost, reason)
 
     try:
         summary = train(state)
@@ -260,8 +268,3 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None,
               f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} "
               f"seconds={summary.seconds:.1f}", flush=True)
     return summary
-
-
-def main_from_env() -> None:  # pragma: no cover - used through `elasticyolo worker`
-    spec = TrainSpec.from_json(os.environ["ELASTICYOLO_SPEC"], "ELASTICYOLO_SPEC")
-    run_worker(spec)

@@ -1,11 +1,12 @@
 """One node's torch elastic agent: `LocalElasticAgent` (through torch's launcher API) on the etcd3
-rendezvous, running `elasticyolo.engines.torch.worker` in `nproc_per_node` workers.
+rendezvous, running `elasticyolo worker` (the torch engine's `worker.py`) in `nproc_per_node` workers.
 
-Started by the elasticyolo agent's torch hook as
-`python -m elasticyolo.engines.lifeline elasticyolo.engines.torch.launcher` with its
-configuration in `$ELASTICYOLO_TORCH_LAUNCH` (JSON; see `LaunchSettings`). It runs on this
-process's main thread, so torch's SIGTERM handling works: SIGTERM stops the workers and leaves
-the rendezvous open for the other nodes (torch closes it only when the job ends).
+Started by the elasticyolo agent's torch node (`node.py`) as
+`python -m elasticyolo.engines.torch.launcher` with its configuration in the worker environment
+(`engine_config`: `LaunchSettings` as JSON; `engines/worker_env.py`). It dies with the agent and
+its workers die with it (`engines/lifeline.py`). It runs on this process's main thread, so
+torch's SIGTERM handling works: SIGTERM stops the workers and leaves the rendezvous open for the
+other nodes (torch closes it only when the job ends).
 
 Exit codes: 0 the job finished; 3 the rendezvous was already closed (finished elsewhere);
 143 stopped by SIGTERM; 1 anything else (the hook retries).
@@ -17,8 +18,12 @@ import json
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from elasticyolo.engines import worker_env
+from elasticyolo.engines.lifeline import die_with_agent
+from elasticyolo.engines.spawn import worker_command
 
 EXIT_CLOSED = 3
 EXIT_SIGTERM = 143
@@ -43,11 +48,6 @@ class LaunchSettings:
     @classmethod
     def from_json(cls, text: str) -> "LaunchSettings":
         return cls(**json.loads(text))
-
-
-def worker_command() -> list[str]:
-    """The worker as a module run through `lifeline` (dies when this agent dies)."""
-    return ["-m", "elasticyolo.engines.lifeline", "elasticyolo.engines.torch.worker"]
 
 
 def _register_etcd3() -> None:
@@ -84,8 +84,9 @@ def run(settings: LaunchSettings) -> int:
         max_restarts=settings.max_restarts, monitor_interval=settings.monitor_interval,
         local_addr=settings.local_addr, start_method="spawn",
     )
+    cmd = worker_command()  # `elasticyolo worker`: the spec (from the environment) says engine=torch
     try:
-        elastic_launch(config, sys.executable)(*worker_command())
+        elastic_launch(config, cmd[0])(*cmd[1:])
     except SignalException:
         return EXIT_SIGTERM
     except RendezvousClosedError:
@@ -97,10 +98,18 @@ def run(settings: LaunchSettings) -> int:
 
 
 def main() -> None:
+    die_with_agent()  # first, before torch loads
     from elasticyolo import log
 
     log.configure()
-    settings = LaunchSettings.from_json(os.environ["ELASTICYOLO_TORCH_LAUNCH"])
+    env = worker_env.read()
+    if not env.engine_config:
+        print("elasticyolo torch launcher: no launch settings in the environment (started by an agent?)",
+              file=sys.stderr)
+        sys.exit(2)
+    settings = LaunchSettings.from_json(env.engine_config)
+    # Workers (started by torch from this process) must die with this process, not the agent.
+    os.environ.update(replace(env, parent_pid=os.getpid()).to_env())
     sys.exit(run(settings))
 
 

@@ -2,7 +2,7 @@
 
 Why not torch's own: its `etcd`/`etcd-v2` backends speak the etcd v2 API (gone in etcd 3.6), and
 its stock `DynamicRendezvousHandler` hangs when a node joins a running job (it publishes
-MASTER_ADDR/PORT for the shared TCPStore only in the first round it sees; see DESIGN.md).
+MASTER_ADDR/PORT for the shared TCPStore only in the first round it sees; see docs/torch-engine.md).
 
 Key layout (one job = one `run_id`)::
 
@@ -10,7 +10,8 @@ Key layout (one job = one `run_id`)::
     <key_prefix>/<run_id>/rdzv/store/<key>  the c10d store used by the agents during a round
 
 Everything goes through `elasticyolo.cluster.etcd.EtcdClient` (endpoint failover, TLS/auth,
-bounded retries).
+bounded retries), built from `cluster.settings.EtcdSettings` (TLS/auth from `--rdzv-conf`, else
+from the environment: `ELASTICYOLO_ETCD_CA`, `_CERT`, `_KEY`, `_USER`, `_PASSWORD`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
 )
 
+from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
@@ -47,6 +49,7 @@ DEFAULT_KEY_PREFIX = "/elasticyolo"
 # A rendezvous op that fails with RendezvousConnectionError kills the torch agent, so ride out an
 # etcd leader election (~2 s on loopback, longer on a WAN) before giving up.
 DEFAULT_RETRY_WINDOW = 15.0
+DEFAULT_TIMEOUT = 5.0
 
 # State envelope: magic, CRC32 of the payload, a per-write nonce, base64 payload. Corruption (a
 # truncated or foreign value under our key) is detected here instead of as a pickle error deep in
@@ -67,12 +70,11 @@ class KV(Protocol):
                          lease: int | None = None) -> tuple[bool, tuple[bytes, int] | None]: ...
 
 
-def make_client(endpoints: str | Sequence[str], **tls_auth_options: Any) -> KV:
-    """An `EtcdClient` (imported lazily so this module imports without the cluster layer loaded)."""
-    from elasticyolo.cluster.etcd import EtcdClient
-
-    tls_auth_options.setdefault("retry_window", DEFAULT_RETRY_WINDOW)
-    return EtcdClient(endpoints, **tls_auth_options)  # type: ignore[return-value]
+def make_client(endpoints: str | Sequence[str], settings: EtcdSettings | None = None, *,
+                timeout: float = DEFAULT_TIMEOUT, retry_window: float = DEFAULT_RETRY_WINDOW) -> KV:
+    """An `EtcdClient` for `endpoints` with TLS/auth from `settings` (default: the environment)."""
+    base = settings if settings is not None else EtcdSettings.from_env()
+    return base.with_endpoints(endpoints).client(timeout=timeout, retry_window=retry_window)  # type: ignore[return-value]
 
 
 def encode_state(state: bytes) -> bytes:
@@ -122,7 +124,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
         client: KV | None = None,
-        **tls_auth_options: Any,
+        settings: EtcdSettings | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry_window: float = DEFAULT_RETRY_WINDOW,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -130,7 +134,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.root = f"{key_prefix.rstrip('/')}/{run_id}/rdzv"
         self.key = f"{self.root}/state"
         self.store_prefix = f"{self.root}/store"
-        self.client: KV = client if client is not None else make_client(endpoints, **tls_auth_options)
+        self.client: KV = client if client is not None else make_client(
+            endpoints, settings, timeout=timeout, retry_window=retry_window)
 
     @property
     def name(self) -> str:
@@ -330,32 +335,28 @@ def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
     return None if value is None else timedelta(seconds=value)
 
 
-# `--rdzv-conf` keys passed to EtcdClient (aliases match torch's etcd-v2 names).
-_CONF_ALIASES = {
-    "ca_cert": "ca_cert",
-    "cert_cert": "cert_cert",
-    "ssl_cert": "cert_cert",
-    "cert_key": "cert_key",
-    "ssl_cert_key": "cert_key",
+# `--rdzv-conf` keys -> EtcdSettings fields (aliases match torch's etcd-v2 names).
+_CONF_FIELDS = {
+    "ca_cert": "ca",
+    "cert_cert": "cert",
+    "ssl_cert": "cert",
+    "cert_key": "key",
+    "ssl_cert_key": "key",
     "user": "user",
     "password": "password",
 }
 
 
 def client_options(params: RendezvousParameters) -> dict[str, Any]:
-    """EtcdClient options from `--rdzv-conf` and the environment (secrets belong in the env:
-    torchrun's command line is visible in `ps`)."""
-    opts: dict[str, Any] = {}
-    for conf_key, opt in _CONF_ALIASES.items():
+    """`EtcdRendezvousBackend` client options from `--rdzv-conf`, TLS/auth falling back to the
+    environment (secrets belong there: torchrun's command line is visible in `ps`)."""
+    env = EtcdSettings.from_env()
+    fields = {f: getattr(env, f) for f in set(_CONF_FIELDS.values())}
+    for conf_key, name in _CONF_FIELDS.items():
         value = params.get(conf_key)
         if value:
-            opts[opt] = value
-    env = {"ca_cert": "ELASTICYOLO_ETCD_CA_CERT", "cert_cert": "ELASTICYOLO_ETCD_CERT",
-           "cert_key": "ELASTICYOLO_ETCD_KEY", "user": "ELASTICYOLO_ETCD_USER",
-           "password": "ELASTICYOLO_ETCD_PASSWORD"}
-    for opt, var in env.items():
-        if opt not in opts and os.environ.get(var):
-            opts[opt] = os.environ[var]
+            fields[name] = value
+    opts: dict[str, Any] = {"settings": EtcdSettings(**fields)}
     if params.get("etcd_timeout"):
         opts["timeout"] = float(params.get("etcd_timeout"))
     if params.get("etcd_retry_window"):

@@ -1,0 +1,95 @@
+"""The engine interface: what a training engine provides so the agents can run it.
+
+An engine (Horovod Elastic, torch elastic, or a third one registered in `registry.py`) is one
+object with four parts:
+
+* `node(agent)` - its **agent-side** plug-in (`engines/node.py`, an `AgentPlugin`): runs the
+  engine's share of the job on one node (worker processes; on the leader whatever coordinates
+  them) and exposes the effects the drain executor needs. No torch: the agent imports it.
+* `worker_main(spec, options)` - its **worker entry point**: `elasticyolo worker` looks the
+  spec's engine up and calls this in a fresh process (torch is imported here, not before).
+* `plan_drain(situation)` - its **drain planner**: a pure function choosing how a node leaves the
+  world (`engines/drain.py` runs the plan).
+* `commit_target_s` - **what a commit is**: every engine commits through `engines/commit.py`
+  (`EngineCommit.save()`, the node-local snapshot, the store checkpoint, `EngineCommit.check()`),
+  about every `commit_target_s` seconds of work unless the spec fixes `commit_every`.
+
+The agent looks a job's engine up once per submission (`engines/dispatch.py`); nothing else
+branches on the engine's name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from elasticyolo.agent.plugin import AgentPlugin, NodeAPI
+    from elasticyolo.spec import TrainSpec
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """`elasticyolo worker` flags an engine may honour."""
+
+    progress_jsonl: str | None = None  # rank 0 appends one JSON record per step here
+    prewarm_slot: int | None = None  # agent use: build the core for this local slot, then wait (Horovod)
+
+
+class DrainMode(str, enum.Enum):
+    STOP = "stop"  # stop this node's workers (the engine re-forms the world on its own)
+    LEAVE = "leave"  # the world removes this node at a commit; its worker exits by itself
+    HANDOVER = "handover"  # the world quiesces at a commit (snapshot, maybe checkpoint) first
+
+
+@dataclass(frozen=True)
+class Quiesce:
+    """What a HANDOVER asks of the world (the `quiesce` record, keys.py)."""
+
+    checkpoint: bool  # also write a store checkpoint (the last node of the job is leaving)
+    hold: bool  # the workers wait to be stopped: this node runs the coordinator, which stops first
+    term: int | None  # the coordinator term the request is meant for (None: any)
+
+
+@dataclass(frozen=True)
+class DrainPlan:
+    mode: DrainMode
+    last_node: bool = False
+    quiesce: Quiesce | None = None
+
+    @property
+    def holds_leadership(self) -> bool:
+        """The node keeps leading until its world has quiesced (then it resigns itself)."""
+        return self.quiesce is not None and self.quiesce.hold
+
+
+STOP = DrainPlan(DrainMode.STOP)
+
+
+@dataclass(frozen=True)
+class DrainSituation:
+    """What a planner sees when a drain starts (gathered by the node plug-in)."""
+
+    has_work: bool  # this node runs workers or the engine's coordinator for the job
+    runs_coordinator: bool = False  # e.g. Horovod's driver, on the leader
+    coordinator_term: int | None = None
+    other_slots: int = 0  # slots the other serving nodes offer
+    needed_slots: int = 0  # slots the job needs (min_nodes x slots)
+
+
+class Engine(Protocol):
+    name: str
+    commit_target_s: float
+
+    def node(self, agent: "NodeAPI") -> "AgentPlugin":
+        """Usually an `engines.node.EngineNode` (which runs the shared drain)."""
+
+    def plan_drain(self, situation: DrainSituation) -> DrainPlan: ...
+
+    def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int: ...
+
+
+def plan_stop(situation: DrainSituation) -> DrainPlan:
+    """The planner of engines that restart their world on any change: stop the workers."""
+    return STOP
