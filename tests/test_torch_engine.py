@@ -212,3 +212,31 @@ def test_etcd_member_sigkilled_mid_training(etcd_cluster3, job_name, dataset, jo
     workers = {e["pid"] for e in job.events("resume")}
     job.cancel()
     job.wait(lambda: all(gone(p) for p in workers), 60, "workers stopped after cancel")
+
+
+def test_status_shows_progress_and_last_checkpoint_of_a_running_torch_job(etcd_server, job_name, dataset, jobs,
+                                                                           tmp_path: Path) -> None:
+    """Progress and checkpoint publishing are engine-neutral: `status --json` of a torch job."""
+    import subprocess
+
+    from elasticyolo.testing.agents import ELASTICYOLO
+
+    def status() -> dict[str, Any]:
+        out = subprocess.run([ELASTICYOLO, "status", "--etcd", etcd_server.endpoints, "--job", job_name, "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+
+    job = jobs(etcd_server.endpoints, job_name)
+    job.submit(spec_pairs(dataset, epochs=200, checkpoint=f"file://{tmp_path / 'ckpt'}", save_period_steps=2))
+    job.start("a")
+    view = job.wait(lambda: (lambda v: v if v["state"] == "running" and (v["step"] or 0) >= 2
+                             and (v["last_checkpoint"] or {}).get("step") else None)(status()), 150,
+                    "status to show a running torch job with its step and last checkpoint")
+    assert view["epoch"] is not None and view["samples_s"] and view["world_size"] == 1
+    ck = view["last_checkpoint"]
+    assert ck["uri"].startswith(f"file://{tmp_path / 'ckpt'}") and ck["step"] <= view["step"] and ck["size"] > 0
+    assert view["last_resume"]["reason"] == "start" and view["last_resume"]["source"] == "fresh"
+    workers = {e["pid"] for e in job.events("resume")}
+    job.cancel()
+    job.wait(lambda: all(gone(p) for p in workers), 60, "workers stopped after cancel")

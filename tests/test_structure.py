@@ -1,0 +1,278 @@
+"""The package's structure rules, checked from the source: no import cycles, the agent side stays
+torch-free, one rule each for job names, spot providers, the worker environment and
+die-with-parent, and the docs cite only files that exist."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elasticyolo.testing.wait import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "elasticyolo"
+
+
+# ---- imports ----------------------------------------------------------------------------------
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported elasticyolo module: line}, counting every import statement: top level,
+    inside functions (lazy) and under `if TYPE_CHECKING:` alike."""
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for mod, path in mods.items():
+        edges: dict[str, int] = {}
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package
+                    for _ in range(node.level - 1):
+                        anchor = anchor.rpartition(".")[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                found = resolve(target)
+                if found and found != mod:
+                    edges.setdefault(found, node.lineno)
+        graph[mod] = edges
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_inside_the_package() -> None:
+    graph = import_graph()
+    assert len(graph) > 50 and "elasticyolo.engines.registry" in graph["elasticyolo.spec"]
+    found = cycles(graph)
+    detail = ["; ".join(f"{a} -> {b} (line {graph[a][b]})" for a in comp for b in graph[a] if b in comp)
+              for comp in found]
+    assert not found, "import cycles: " + " | ".join(detail)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+
+
+def test_agent_side_imports_no_torch() -> None:
+    code = ("import sys\n"
+            "import elasticyolo.commands.agent, elasticyolo.commands.status, elasticyolo.commands.worker\n"
+            "import elasticyolo.agent.daemon, elasticyolo.engines.dispatch\n"
+            "from elasticyolo.engines import registry\n"
+            "for name in registry.names():\n"
+            "    engine = registry.get(name)\n"
+            "    engine.node.__call__\n"
+            "import elasticyolo.engines.horovod.node, elasticyolo.engines.torch.node, elasticyolo.engines.drain\n"
+            "sys.exit(1 if 'torch' in sys.modules or 'ultralytics' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+# ---- one rule each --------------------------------------------------------------------------------
+def test_one_job_name_rule() -> None:
+    from elasticyolo.checkpoint.layout import check_job
+    from elasticyolo.cluster.keys import JobKeys, check_job_name
+    from elasticyolo.config import load_agent_config
+    from elasticyolo.errors import UserError
+
+    for good in ("MyRun", "coco-2024.v1_a", "a" * 128):
+        assert check_job(good) == check_job_name(good) == JobKeys(good).job == good
+        assert load_agent_config(os.devnull, {"etcd": "127.0.0.1:2379", "job": good}, environ={}).job == good
+    for bad in ("Bad Name", "a/b", ".hidden", "", "a" * 129):
+        with pytest.raises(UserError) as keys_err:
+            check_job_name(bad)
+        with pytest.raises(UserError) as layout_err:
+            check_job(bad)
+        assert str(keys_err.value) == str(layout_err.value)
+
+
+def test_agent_and_train_accept_the_same_job_name(tmp_path: Path) -> None:
+    elasticyolo = str(Path(sys.executable).with_name("elasticyolo"))
+    agent = subprocess.run([elasticyolo, "agent", "--config", os.devnull, "--etcd", "127.0.0.1:1", "--job", "MyRun",
+                            "--startup-timeout-s", "0"], capture_output=True, text=True, timeout=60)
+    assert "job name" not in agent.stderr and agent.returncode == 3, agent.stderr  # only etcd is missing
+    ckpt = subprocess.run([elasticyolo, "checkpoints", "list", "--job", "MyRun", "--store", f"file://{tmp_path}"],
+                          capture_output=True, text=True, timeout=60)
+    assert ckpt.returncode == 0 and "has no checkpoints" in ckpt.stdout, ckpt.stderr
+
+
+def test_one_spot_provider_list() -> None:
+    import argparse
+
+    from elasticyolo.commands import agent
+    from elasticyolo.config import load_agent_config
+    from elasticyolo.errors import UserError
+    from elasticyolo.spot import make_watcher
+    from elasticyolo.spot.providers import PROVIDERS
+
+    parser = argparse.ArgumentParser()
+    agent.add_arguments(parser)
+    action = next(a for a in parser._actions if a.dest == "spot_provider")
+    assert tuple(action.choices) == PROVIDERS  # type: ignore[arg-type]
+    for name in PROVIDERS:
+        assert load_agent_config(os.devnull, {"etcd": "127.0.0.1:2379", "spot_provider": name.upper()},
+                                 environ={}).spot_provider == name
+    with pytest.raises(UserError, match=", ".join(PROVIDERS)):
+        load_agent_config(os.devnull, {"etcd": "127.0.0.1:2379", "spot_provider": "oracle"}, environ={})
+    with pytest.raises(UserError, match=", ".join(PROVIDERS)):
+        make_watcher("oracle")
+
+
+def test_worker_env_round_trip_and_one_set_of_names() -> None:
+    from elasticyolo.cluster import connect, settings
+    from elasticyolo.cluster.settings import EtcdSettings
+    from elasticyolo.engines import worker_env
+    from elasticyolo.engines.worker_env import WorkerEnv
+
+    env = WorkerEnv(etcd=EtcdSettings("127.0.0.1:1,127.0.0.1:2", ca="/ca.pem", cert="/c.pem", key="/k.pem",
+                                      user="u", password="secret"),
+                    job="j", node_id="n", spec_json='{"data": "d"}', generation=42, worker_dir="/w", parent_pid=7,
+                    term=3, restore=True, engine_config="{}", snapshot_period_s=2.5)
+    written = env.to_env()
+    assert worker_env.read(written) == env
+    assert worker_env.read({}) == WorkerEnv()
+    assert "secret" not in repr(env)
+    # The CLI reads the same variables the agent writes for its workers.
+    cli_env = {dest: name for dest, (name, _) in connect._SOURCES.items()}
+    assert cli_env["etcd"] == settings.ENV_ENDPOINTS and cli_env["etcd_ca"] == settings.ENV_CA == "ELASTICYOLO_ETCD_CA"
+    assert {cli_env["etcd"], cli_env["etcd_ca"], cli_env["etcd_cert"], cli_env["etcd_key"], cli_env["etcd_user"],
+            cli_env["job"]} <= set(written)
+
+
+# ---- die with the parent --------------------------------------------------------------------------
+_CHILD = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(float(sys.argv[2]));"
+          "from elasticyolo.engines.lifeline import die_with_agent; die_with_agent(); time.sleep(60)")
+# The parent starts the child through the spawn helper (its pid in the child's environment).
+_PARENT = ("import sys, time; from elasticyolo.engines.spawn import spawn;"
+           "spawn([sys.executable, '-c', sys.argv[1], sys.argv[2], sys.argv[3]], dict(__import__('os').environ),"
+           " capture_output=False); time.sleep(float(sys.argv[4]))")
+
+
+def _child_pid(path: Path) -> int:
+    return int(wait_for(lambda: path.read_text().strip(), 30, "the child to write its pid"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_child_dies_with_its_parent(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, str(pid_file), "0", "60"])
+    try:
+        child = _child_pid(pid_file)
+        time.sleep(0.5)  # armed by now (the child arms right after writing its pid)
+        assert not _gone(child)
+        parent.kill()
+        parent.wait(10)
+        wait_for(lambda: _gone(child), 10, "the child to die with its parent")
+    finally:
+        parent.kill()
+
+
+def test_child_whose_parent_died_before_it_started_exits_at_once(tmp_path: Path) -> None:
+    """The parent exits right after spawning; the child arms only 1 s later, already re-parented:
+    comparing with the pid its parent wrote catches it (`getppid()` alone would not)."""
+    pid_file = tmp_path / "child"
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, str(pid_file), "1.0", "0"])
+    parent.wait(30)
+    child = _child_pid(pid_file)
+    wait_for(lambda: _gone(child), 15, "the orphaned child to exit instead of sleeping 60 s")
+
+
+# ---- docs ---------------------------------------------------------------------------------------
+# A cited file: a path with a directory and a file extension, e.g. `engines/horovod/driver.py`
+# (relative to the repository, to the package, or to the document).
+_PATH_RE = re.compile(r"(?<![\w/.<-])((?:\.\./)?[\w.-]+(?:/[\w.-]+)*/[\w.-]+\.(?:py|md|yaml|yml|sh|service|toml|cfg|txt))\b")
+_LINK_RE = re.compile(r"\]\(([^)#\s]+)")
+# A bare module name (`launcher.py`): some file of the repository must have it.
+_NAME_RE = re.compile(r"(?<![\w/.<-])([\w-]+\.py)\b")
+
+
+def test_docs_cite_only_files_that_exist() -> None:
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    names = {p.name for d in ("elasticyolo", "tests", "bench", "scripts") for p in (REPO / d).rglob("*")}
+    missing = []
+    checked = 0
+    for doc in docs:
+        text = doc.read_text()
+        cited = set(_PATH_RE.findall(text)) | {m for m in _LINK_RE.findall(text) if "://" not in m}
+        for path in cited:
+            checked += 1
+            if not any((base / path).exists() for base in (REPO, PACKAGE, doc.parent)):
+                missing.append(f"{doc.relative_to(REPO)}: {path}")
+        missing += [f"{doc.relative_to(REPO)}: {name}" for name in set(_NAME_RE.findall(text)) if name not in names]
+    assert checked > 20 and not missing, missing
+
+
+def test_nothing_cites_a_design_doc_the_repository_does_not_have() -> None:
+    if (REPO / "DESIGN.md").exists():
+        pytest.skip("the repository has a DESIGN.md")
+    hits = [str(p.relative_to(REPO)) for p in [REPO / "README.md", *REPO.glob("docs/*.md"), *PACKAGE.rglob("*.py"),
+                                                *REPO.glob("tests/*.py"), *REPO.glob("bench/*.py")]
+            if "DESIGN.md" in p.read_text() and p.name != "test_structure.py"]
+    assert not hits, hits
