@@ -218,7 +218,8 @@ def _start_with_config(a: AgentProcess, cfg: Path):  # type: ignore[no-untyped-d
                a.node_id, "--ttl", str(a.ttl), "--addr", "127.0.0.1", *a.extra]
         log = open(a.log_path, "ab")
         a.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                  env={**os.environ, "ELASTICYOLO_LOG_FORMAT": "json"})
+                                  env={**os.environ, "ELASTICYOLO_LOG_FORMAT": "json",
+                                       "ELASTICYOLO_WORK_DIR": str(a.log_dir / "nodes")})
         log.close()
         return a
 

@@ -25,7 +25,9 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
     uri = f"s3://{BUCKET}/jobs"
     data = write_dataset(tmp_path / "data", SynthSpec(train=32, val=8, imgsz=64, classes=2))
-    args = [f"data={data}", "model=yolov8n.yaml", "epochs=4", "imgsz=64", "batch=4", "nbs=4", "val=false",
+    # 8 epochs x 8 steps: long enough that the first run is killed mid-training even when uploads
+    # to moto are slow on a loaded box (the kill waits for a periodic, not the final, checkpoint).
+    args = [f"data={data}", "model=yolov8n.yaml", "epochs=8", "imgsz=64", "batch=4", "nbs=4", "val=false",
             "close_mosaic=4", "warmup_epochs=1", "scale=0", "translate=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
     env = {**s3_server.env(), "ELASTICYOLO_JOB": "restart"}
     store = open_store(uri)
@@ -33,8 +35,8 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
     (tmp_path / "run1").mkdir()
     first = HorovodElasticJob(tmp_path / "run1", ["localhost:1"], args, env=env).start()
     try:
-        first.wait_for(lambda: (m := read_latest(store, "restart")) is not None and m.step >= 9 and m, 300,
-                       "a checkpoint at step >= 9 in S3")
+        first.wait_for(lambda: (m := read_latest(store, "restart")) is not None and m.step >= 9
+                       and m.reason != "final" and m, 300, "a mid-training checkpoint at step >= 9 in S3")
     finally:
         first.stop()  # SIGKILL horovodrun and every worker: nothing survives in memory
     wait_for(lambda: not any(_alive(e["pid"]) for e in first.events()), 20, "every worker gone")

@@ -1,4 +1,4 @@
-"""The per-node daemon (`elasticyolo agent`): registry, election, state machine, hooks.
+"""The per-node daemon (`elasticyolo agent`): registry, election, state machine, plug-ins.
 
 Never imports torch or ultralytics: workers are separate processes.
 """

@@ -3,7 +3,7 @@
 `SpotDrain` is an `AgentPlugin` that owns the node's `NoticeWatcher`:
 * a draining notice (terminate/stop/preempt, a file, SIGTERM) -> `agent.request_drain` with the
   notice's deadline: the agent goes DRAINING (written to etcd with the notice) and the engine
-  hooks leave the world before `deadline - drain_margin_s`;
+  leaves the world before `deadline - drain_margin_s`;
 * an at-risk notice (a rebalance recommendation, a GCP live migration) only marks the node
   (node record `notice` with `at_risk`, metric `elasticyolo_node_at_risk`) unless
   `--drain-on-rebalance`;

@@ -42,7 +42,7 @@ class Observation:
     lease_lost: bool = False  # etcd says our lease is gone
     job_active: bool = False  # a valid spec is stored and the job is submitted/running
     drain_requested: bool = False  # SIGTERM/SIGINT, spot notice, or an operator
-    drain_complete: bool = False  # hooks report workers stopped / world left
+    drain_complete: bool = False  # plug-ins report workers stopped / world left
     fatal: str | None = None  # unrecoverable (e.g. node id taken for good)
 
 

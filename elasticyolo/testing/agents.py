@@ -44,7 +44,9 @@ class AgentProcess:
         cmd = [ELASTICYOLO, "agent", "--config", os.devnull, "--etcd", self.endpoints, "--job", self.job,
                "--node-id", self.node_id, "--ttl", str(self.ttl), "--addr", "127.0.0.1", "--host", "127.0.0.1",
                "--slots", "1", "--startup-timeout-s", "10", *self.extra]
-        env = {**os.environ, "ELASTICYOLO_LOG_FORMAT": "json", **self.env}
+        # Node-local files under the test's own directory unless the scenario says otherwise.
+        env = {**os.environ, "ELASTICYOLO_LOG_FORMAT": "json", "ELASTICYOLO_WORK_DIR": str(self.log_dir / "nodes"),
+               **self.env}
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
         log.close()

@@ -1,9 +1,10 @@
 """Checkpoints from the training loop: restore on a cold start, save after commits, final save.
 
 Glue between `TrainCore` (`elasticyolo.train.state`) and the checkpoint subsystem
-(`elasticyolo.checkpoint`). Only rank 0 saves; only a freshly started rank 0 restores (Horovod's
-sync then hands that state to everyone). Only committed state is ever checkpointed: saves happen
-right after the commit's local save.
+(`elasticyolo.checkpoint`). Only rank 0 saves and restores: a freshly started world compares the
+store's newest step with the node-local snapshots (`train/snapshots.py` `restore_newest`), and
+rank 0 hands what it loaded to the others (or Horovod's sync does). Only committed state is ever
+checkpointed: saves happen at a commit, right after the node-local snapshot (`engines/commit.py`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ torch's SIGTERM handling works: SIGTERM stops the workers and leaves the rendezv
 other nodes (torch closes it only when the job ends).
 
 Exit codes: 0 the job finished; 3 the rendezvous was already closed (finished elsewhere);
-143 stopped by SIGTERM; 1 anything else (the hook retries).
+143 stopped by SIGTERM; 1 anything else (the node plug-in retries).
 """
 
 from __future__ import annotations

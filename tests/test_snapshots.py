@@ -1,0 +1,164 @@
+"""The node-local snapshot module every engine uses (`train/snapshots.py`): the file format, the
+background writer, and the newest-in-world restore stepped over an in-memory world of threads
+(collectives passed in, as the engines pass Horovod's or torch.distributed's)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from elasticyolo.train.snapshots import LocalSnapshots, read_snapshot, restore_newest, write_snapshot  # noqa: E402
+from elasticyolo.train.state import STATE_FORMAT, core_state  # noqa: E402
+
+
+class _Ema:
+    def __init__(self, model: Any) -> None:
+        self.ema, self.updates = model, 0
+
+
+class _Scaler:
+    def is_enabled(self) -> bool:
+        return False
+
+
+class FakeCore:
+    """What `core_state` / `load_core_state` touch, on a tiny model (no YOLO needed)."""
+
+    def __init__(self, seed: int = 0, step: int = 0) -> None:
+        from elasticyolo.train.core import Progress
+
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(4, 2)
+        self.ema = _Ema(torch.nn.Linear(4, 2))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.scaler = _Scaler()
+        self.progress = Progress(step=step, epoch=step // 10, consumed=step % 10, world=1)
+        self.synced = 0
+
+    def sync_sampler_from_progress(self) -> None:
+        self.synced += 1
+
+
+class World:
+    """N ranks in threads; every collective is an all-gather over a barrier."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=30), [None] * n
+
+    def rank(self, r: int) -> "RankCollectives":
+        return RankCollectives(self, r)
+
+
+class RankCollectives:
+    def __init__(self, world: World, rank: int) -> None:
+        self.world, self.rank, self.size = world, rank, world.n
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        self.world.slots[self.rank] = obj
+        self.world.barrier.wait()
+        out = list(self.world.slots)
+        self.world.barrier.wait()
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.allgather_object(obj)[src]
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        return bytes(self.allgather_object(data)[src])
+
+
+def run_world(cores: list[FakeCore], snaps: list[LocalSnapshots | None], checkpointers: list[Any] | None = None
+              ) -> list[Any]:
+    world, out = World(len(cores)), [None] * len(cores)
+
+    def rank(r: int) -> None:
+        ck = checkpointers[r] if checkpointers else None
+        out[r] = restore_newest(cores[r], snaps[r], world.rank(r), ck)  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(cores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def weights(core: FakeCore) -> torch.Tensor:
+    return core.model.weight.detach().clone()
+
+
+# ---- format and writer ----------------------------------------------------------------------------
+def test_format_round_trip_torn_and_foreign_files(tmp_path: Path) -> None:
+    state = core_state(FakeCore(step=7))
+    write_snapshot(state, tmp_path / "s" / "state.pt")
+    got = read_snapshot(tmp_path / "s" / "state.pt")
+    assert got is not None and got["format"] == STATE_FORMAT and got["progress"]["step"] == 7
+    assert not list((tmp_path / "s").glob(".*tmp"))  # the temp file was renamed away
+    (tmp_path / "torn.pt").write_bytes(b"\x80\x02garbage")
+    torch.save({"format": 999}, tmp_path / "foreign.pt")
+    assert read_snapshot(tmp_path / "torn.pt") is None and read_snapshot(tmp_path / "foreign.pt") is None
+    assert read_snapshot(tmp_path / "missing.pt") is None
+
+
+def test_writer_period_save_now_and_readers(tmp_path: Path) -> None:
+    core = FakeCore(step=3)
+    writer = LocalSnapshots(tmp_path, writer=True, period_s=3600)
+    reader = LocalSnapshots(tmp_path, writer=False)
+    assert writer.maybe_save(core) is True  # the first commit always snapshots
+    assert writer.flush(30) and writer.written_step == 3
+    core.progress.step = 4
+    assert writer.maybe_save(core) is False  # within the period
+    assert writer.save_now(core, timeout=30) and reader.read()["progress"]["step"] == 4  # type: ignore[index]
+    assert reader.maybe_save(core) is False and reader.save_now(core) is True  # a reader never writes
+    writer.close()
+    assert LocalSnapshots(None).read() is None
+
+
+# ---- newest in the world -------------------------------------------------------------------------
+def test_fresh_world_without_any_state(tmp_path: Path) -> None:
+    cores = [FakeCore(seed=r) for r in range(2)]
+    got = run_world(cores, [LocalSnapshots(tmp_path / str(r)) for r in range(2)])
+    assert [(g.source, g.step) for g in got] == [("fresh", 0), ("fresh", 0)]
+
+
+def test_a_new_node_gets_the_newest_snapshot_from_its_holder(tmp_path: Path) -> None:
+    old, new = FakeCore(seed=1, step=5), FakeCore(seed=2, step=9)
+    LocalSnapshots(tmp_path / "n0").save_now(old)  # rank 0's node: an older snapshot
+    LocalSnapshots(tmp_path / "n1").save_now(new)  # rank 1's node: the newest
+    cores = [FakeCore(seed=10), FakeCore(seed=11), FakeCore(seed=12)]  # rank 2: a new node, nothing
+    snaps = [LocalSnapshots(tmp_path / d) for d in ("n0", "n1", "n2")]
+    got = run_world(cores, snaps)
+    assert [(g.source, g.step, g.src_rank) for g in got] == [("peer", 9, 1), ("local", 9, 1), ("peer", 9, 1)]
+    for c in cores:
+        assert torch.equal(weights(c), weights(new)) and c.progress.step == 9 and c.synced == 1
+
+
+def test_store_ahead_of_every_node_is_loaded_by_rank_0_and_sent(tmp_path: Path) -> None:
+    stored = core_state(FakeCore(seed=3, step=20))
+
+    class Store:
+        enabled = True
+
+        def __init__(self) -> None:
+            self.restored = 0
+
+        def latest_step(self) -> int:
+            return 20
+
+        def restore_into(self, core: FakeCore) -> bool:
+            from elasticyolo.train.state import load_core_state
+
+            self.restored += 1
+            load_core_state(core, stored)  # type: ignore[arg-type]
+            return True
+
+    LocalSnapshots(tmp_path / "n1").save_now(FakeCore(seed=4, step=12))
+    cores, store = [FakeCore(seed=5), FakeCore(seed=6)], Store()
+    got = run_world(cores, [LocalSnapshots(tmp_path / "n0"), LocalSnapshots(tmp_path / "n1")], [store, None])
+    assert [(g.source, g.step) for g in got] == [("store", 20), ("store", 20)] and store.restored == 1
+    assert all(c.progress.step == 20 and torch.equal(c.model.weight, cores[0].model.weight) for c in cores)
