@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from elasticyolo.train.snapshots import LocalSnapshots, read_snapshot, restore_newest, write_snapshot  # noqa: E402
 from elasticyolo.train.state import STATE_FORMAT, core_state  # noqa: E402
+from elasticyolo.testing.wait import in_threads  # noqa: E402
 
 
 class _Ema:
@@ -74,17 +75,16 @@ class RankCollectives:
 
 def run_world(cores: list[FakeCore], snaps: list[LocalSnapshots | None], checkpointers: list[Any] | None = None
               ) -> list[Any]:
-    world, out = World(len(cores)), [None] * len(cores)
+    world = World(len(cores))
 
-    def rank(r: int) -> None:
+    def rank(r: int) -> Any:
         ck = checkpointers[r] if checkpointers else None
-        out[r] = restore_newest(cores[r], snaps[r], world.rank(r), ck)  # type: ignore[arg-type]
+        return restore_newest(cores[r], snaps[r], world.rank(r), ck)  # type: ignore[arg-type]
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(cores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = in_threads(rank, len(cores), 60)
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
     return out
 
 

@@ -28,6 +28,7 @@ from elasticyolo.engines.torch.rendezvous import (  # noqa: E402
     EtcdStore,
     create_handler,
 )
+from elasticyolo.testing.wait import in_threads  # noqa: E402
 
 
 @pytest.fixture
@@ -186,20 +187,8 @@ def _params(endpoints: str, run_id: str, **conf: object) -> RendezvousParameters
 
 
 def _rendezvous_all(handlers: list) -> list:
-    results: list = [None] * len(handlers)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = handlers[i].next_rendezvous()
-        except Exception as exc:  # noqa: BLE001 - reported by the assertions below
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return results
+    """Every handler's next round, concurrently: its RendezvousInfo or the exception it raised."""
+    return in_threads(lambda i: handlers[i].next_rendezvous(), len(handlers), 30 * len(handlers))
 
 
 def _scale_up(endpoints: str, run_id: str, handler_cls: type) -> tuple[list, list]:

@@ -109,11 +109,13 @@ def read(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     )
 
 
-def node_work_dir(root: str | os.PathLike[str], job: str, node_id: str, generation: int) -> Path:
-    """This node's directory for one submission of `job` (created), after deleting the
-    directories of older submissions (their snapshots must never be restored)."""
+def node_work_dir(root: str | os.PathLike[str], job: str, node_id: str, generation: int,
+                  prune: bool = True) -> Path:
+    """This node's directory for one submission of `job` (created). With `prune`, the directories
+    of other submissions are deleted first (their snapshots must never be restored); callers whose
+    old workers may still be running prune later."""
     base = Path(root) / job / node_id
-    if base.is_dir():
+    if prune and base.is_dir():
         for old in base.iterdir():
             if old.name != str(generation):
                 shutil.rmtree(old, ignore_errors=True)

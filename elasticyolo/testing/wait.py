@@ -3,6 +3,7 @@ fixed sleeps, and a timeout names what was awaited."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, TypeVar
 
@@ -31,3 +32,23 @@ def wait_for(condition: Callable[[], T], timeout: float, what: str, *, interval:
             raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}"
                                  + (f" (last error: {last_exc})" if last_exc else ""))
         time.sleep(interval)
+
+
+def in_threads(fn: Callable[[int], T], n: int, timeout: float) -> list[T | BaseException | None]:
+    """Run `fn(0) .. fn(n-1)` concurrently (e.g. the ranks or agents of one round) and return their
+    results in order: a raised exception in its place, None for one still running at `timeout`."""
+    results: list[T | BaseException | None] = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(i)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's assertions
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return results

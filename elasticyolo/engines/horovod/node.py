@@ -41,6 +41,7 @@ class HorovodNode(EngineNode):
         self._runner_key: tuple[int, int] | None = None  # (term, spec revision) the runner serves
         self._finished_key: tuple[int, int] | None = None
         self._generation: int | None = None
+        self._pruned = True  # older submissions' directories deleted (once their workers are gone)
         self.prewarm = (os.environ.get(ENV_PREWARM, "1") != "0") if prewarm is None else prewarm
         self.log = get_logger("elasticyolo.horovod", node=agent.cfg.node_id, job=agent.cfg.job)
 
@@ -62,11 +63,15 @@ class HorovodNode(EngineNode):
         active = job.active and job.spec is not None
         serving = agent.state in (NodeState.IDLE, NodeState.TRAINING)
         draining = agent.state is NodeState.DRAINING and self.drain_mode not in (None, DrainMode.STOP)
-        if active and self.launcher is not None and job.generation != self._generation:
-            self._generation = job.generation
-            self.launcher.work_dir = node_work_dir(agent.cfg.work_dir, agent.cfg.job, agent.cfg.node_id,
-                                                   job.generation)
-            self.launcher.worker_env = replace(self.launcher.worker_env, generation=job.generation)
+        if active and self.launcher is not None:
+            cfg = agent.cfg
+            if job.generation != self._generation:
+                self._generation, self._pruned = job.generation, False
+                self.launcher.work_dir = node_work_dir(cfg.work_dir, cfg.job, cfg.node_id, job.generation, prune=False)
+                self.launcher.worker_env = replace(self.launcher.worker_env, generation=job.generation)
+            if not self._pruned and self.launcher.running() == 0:
+                node_work_dir(cfg.work_dir, cfg.job, cfg.node_id, job.generation, prune=True)
+                self._pruned = True
         try:
             self._manage_prewarm(agent, active and serving)
             if self.launcher is not None:
