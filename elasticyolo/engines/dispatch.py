@@ -1,6 +1,7 @@
-"""The agent plug-in that runs the job's engine: looks the engine up once per submission (the
-spec's `engine`, through `registry.py`), creates its node plug-in and forwards every callback to
-it. A resubmission with another engine stops the old plug-in (its workers) and starts the new one.
+"""The agent plug-in that runs the job's engine: looks the engine up once (the spec's `engine`,
+through `registry.py`), creates its node plug-in and forwards every callback to it. A resubmission
+naming another engine stops the old plug-in (its workers) and starts the new one; a resubmission
+with the same engine is the node plug-in's business (`JobView.generation` changes).
 """
 
 from __future__ import annotations

@@ -6,27 +6,15 @@ All ranks stop together when the file $EY_STOP exists (the stop flag is all-redu
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
-import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """torchrun's agent does not kill its workers when it is SIGKILLed: ask the kernel to."""
-    parent = os.getppid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        sys.exit(1)
+from elasticyolo.engines.lifeline import die_with_parent  # torchrun's agent does not kill its workers
 
 
 def main() -> None:
