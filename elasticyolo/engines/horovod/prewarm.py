@@ -142,6 +142,7 @@ def serve(slot: int, make_sinks: Callable[[], list[Any]]) -> int:
 
     quiet_ultralytics()
     core = TrainCore(spec, rank=0, world=1, local_rank=slot)
+    core.loader.wait_ready(timeout=300)  # loader processes up before the slot is offered
     print(READY_LINE, flush=True)
     line = sys.stdin.readline()
     if not line:

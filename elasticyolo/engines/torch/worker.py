@@ -313,6 +313,7 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | None, sinks: list[
                   f"seconds={summary.seconds:.1f}", flush=True)
         return summary
     finally:
+        core.close()
         if snapshots is not None:
             snapshots.close()
         if manager is not None:
