@@ -51,6 +51,14 @@ class ParentWatch:
         return True
 
 
+def adopt_environment(env: dict[str, str]) -> None:
+    """A helper forked from the fork server has the environment the training process had when
+    the server started; this makes it the environment the training process has now (e.g. store
+    credentials or endpoints set since)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def single_threaded(threads: int = 1) -> None:
     """A helper does one thing at a time: keep torch/OpenCV from starting thread pools in it."""
     import torch
@@ -64,4 +72,4 @@ def single_threaded(threads: int = 1) -> None:
         pass
 
 
-__all__ = ["PRELOAD", "ParentWatch", "helper_context", "single_threaded"]
+__all__ = ["PRELOAD", "ParentWatch", "adopt_environment", "helper_context", "single_threaded"]

@@ -24,8 +24,10 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
     uri = f"s3://{BUCKET}/jobs"
     data = write_dataset(tmp_path / "data", SynthSpec(train=32, val=8, imgsz=64, classes=2))
-    args = [f"data={data}", "model=yolov8n.yaml", "epochs=4", "imgsz=64", "batch=4", "nbs=4", "val=false",
-            "close_mosaic=4", "warmup_epochs=1", "scale=0", "translate=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
+    # 30 epochs (240 steps): long enough that a checkpoint lands well before the end (uploads run
+    # in a low-priority process and training is fast here).
+    args = [f"data={data}", "model=yolov8n.yaml", "epochs=30", "imgsz=64", "batch=4", "nbs=4", "val=false",
+            "close_mosaic=30", "warmup_epochs=1", "scale=0", "translate=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
     env = {**s3_server.env(), "ELASTICYOLO_JOB": "restart"}
     store = open_store(uri)
 

@@ -107,6 +107,8 @@ class TrainingLoop:
     def run(self) -> Summary:
         core = self.core
         t0 = time.perf_counter()
+        self.trace.write("loader", rank=core.rank, world=core.world, workers=core.loader.workers,
+                         ready=core.loader.ready)
         commit_every = max(self.hooks.commit_every(core), 0)
         while not core.finished:
             epoch, start = core.progress.epoch, core.sampler.state.consumed
