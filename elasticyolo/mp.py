@@ -32,23 +32,37 @@ def helper_context() -> BaseContext:
 
 
 class ParentWatch:
-    """Exit-when-orphaned check for a helper: its parent (the fork server) and the training
-    process that owns it must both still exist."""
+    """Exit-when-orphaned for a helper. The owner is the training process that created it: the
+    pipe multiprocessing keeps to it (`parent_process().sentinel`) closes when it dies, whatever
+    killed it. The parent is the process this one was forked from (the fork server, or the
+    loader host for a loader worker)."""
 
-    def __init__(self, owner_pid: int) -> None:
-        self.owner_pid = owner_pid
+    def __init__(self) -> None:
+        import multiprocessing
+
+        owner = multiprocessing.parent_process()
+        self.sentinel = owner.sentinel if owner is not None else None
         self.parent_pid = os.getppid()
 
     def alive(self) -> bool:
+        from multiprocessing.connection import wait
+
         if os.getppid() != self.parent_pid:
             return False
-        try:
-            os.kill(self.owner_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return self.sentinel is None or not wait([self.sentinel], timeout=0)
+
+    def exit_with_owner(self) -> None:
+        """A thread that ends this process as soon as the owner dies, even mid-work (for helpers
+        that never fork)."""
+        import threading
+        from multiprocessing.connection import wait
+
+        def watch() -> None:
+            if self.sentinel is not None:
+                wait([self.sentinel])
+                os._exit(0)
+
+        threading.Thread(target=watch, name="owner-watch", daemon=True).start()
 
 
 def adopt_environment(env: dict[str, str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import boto3
+import psutil
 import pytest
 import torch
 
@@ -33,12 +34,19 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
 
     (tmp_path / "run1").mkdir()
     first = HorovodElasticJob(tmp_path / "run1", ["localhost:1"], args, env=env).start()
+    helpers: set[int] = set()
     try:
         first.wait_for(lambda: (m := read_latest(store, "restart")) is not None and m.step >= 9 and m, 300,
                        "a checkpoint at step >= 9 in S3")
+        for pid in {e["pid"] for e in first.events()}:  # the workers' loader and uploader processes
+            try:
+                helpers |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
     finally:
         first.stop()  # SIGKILL horovodrun and every worker: nothing survives in memory
-    wait_until(lambda: not any(_alive(e["pid"]) for e in first.events()), 20, "every worker gone")
+    wait_until(lambda: not any(_alive(p) for p in {e["pid"] for e in first.events()} | helpers), 20,
+               "every worker and its helper processes gone")
     saved = read_latest(store, "restart")
     assert saved is not None
     ckpt, manifest = restore_latest(store, "restart")  # type: ignore[misc]

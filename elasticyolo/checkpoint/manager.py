@@ -307,7 +307,7 @@ class CheckpointManager:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=uploader.main, name=f"elasticyolo-ckpt-{self.job}", daemon=True,
                                args=(theirs, dumps_portable(self.store), self.job, self.options, self._serializer,
-                                     os.getpid(), self.background_nice, dict(os.environ)))
+                                     self.background_nice, dict(os.environ)))
             proc.start()
             theirs.close()
         except Exception as exc:  # noqa: BLE001 - reported; the next checkpoint tries again

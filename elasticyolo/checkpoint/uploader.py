@@ -178,7 +178,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, serializer: Serializer | None,
-         owner_pid: int, nice: int, env: dict[str, str]) -> None:
+         nice: int, env: dict[str, str]) -> None:
     """The process: take jobs from `conn` until "stop" or orphaned."""
     import pickle
 
@@ -192,7 +192,8 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
             os.nice(nice)  # the whole process yields the CPU to training
         except OSError:
             pass
-    watch = ParentWatch(owner_pid)
+    watch = ParentWatch()
+    watch.exit_with_owner()  # even mid-upload: an upload cut short never gets a manifest
     store = pickle.loads(store_bytes)
 
     def emit(*msg: Any) -> None:

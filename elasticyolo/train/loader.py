@@ -108,7 +108,7 @@ class _Pool:
         self.proc = ctx.Process(
             target=host_main, name="elasticyolo-loader", daemon=True,
             args=(payload, loader.workers, self.tasks, self.out, self.floors,
-                  loader.seed * 1_000_003 + loader.stats.pool_restarts, os.getpid(), host_end),
+                  loader.seed * 1_000_003 + loader.stats.pool_restarts, host_end),
         )
         self.started = threading.Event()
         self.receiver = threading.Thread(target=self._receive, name="loader-receiver", daemon=True)

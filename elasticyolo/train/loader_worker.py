@@ -107,13 +107,12 @@ def worker_loop(worker_id: int, builder: BatchBuilder, tasks: Any, results: Any,
 
 
 # ---- the host ----------------------------------------------------------------------------------
-def host_main(payload: bytes, workers: int, tasks: Any, results: Any, floors: Any, seed: int, owner_pid: int,
-              conn: Any) -> None:
+def host_main(payload: bytes, workers: int, tasks: Any, results: Any, floors: Any, seed: int, conn: Any) -> None:
     """Unpickle the datasets once, fork `workers` workers, report any that dies, stop on "stop"."""
     from elasticyolo.mp import ParentWatch, single_threaded
 
     single_threaded()
-    watch = ParentWatch(owner_pid)
+    watch = ParentWatch()  # polled: the host stays single-threaded, it forks
     datasets, hyp = pickle.loads(payload)
     builder = BatchBuilder(datasets, hyp)
     children: dict[int, int] = {}  # pid -> worker id
@@ -142,7 +141,9 @@ def host_main(payload: bytes, workers: int, tasks: Any, results: Any, floors: An
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             code = 0
             try:
-                worker_loop(wid, builder, tasks, results, floors, seed + wid * 7_919, ParentWatch(owner_pid))
+                watch = ParentWatch()  # the owner (the training process) and the host
+                watch.exit_with_owner()
+                worker_loop(wid, builder, tasks, results, floors, seed + wid * 7_919, watch)
             except BaseException:  # noqa: BLE001 - the host reports the exit code
                 traceback.print_exc()
                 code = 1
