@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--workers", type=int, default=defaults["workers"].default, help="data loader processes")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--uploader-nice", type=int, default=None, help="nice of the uploader process (default: the manager's)")
+    ap.add_argument("--uploader-nice", type=int, default=None,
+                    help="nice of the uploader process (default: the manager's)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the S3 server on the way out
     torch.set_num_threads(args.threads)

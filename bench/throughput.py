@@ -157,7 +157,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="default 8 on CPU, 16 on a GPU")
     ap.add_argument("--workers", type=int, default=None, help="default 2 on CPU, 8 on a GPU")
     ap.add_argument("--epochs", type=int, default=None, help="the first is warm-up; default 3 on CPU, 5 on a GPU")
-    ap.add_argument("--images", type=int, default=None, help="generated training images; default 64 on CPU, 512 on a GPU")
+    ap.add_argument("--images", type=int, default=None,
+                    help="generated training images; default 64 on CPU, 512 on a GPU")
     ap.add_argument("--cache", default="false", choices=["false", "ram", "disk"])
     ap.add_argument("--model", default="yolov8n.yaml")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats of elasticyolo's runs (medians)")
@@ -211,8 +212,8 @@ def main() -> None:
         print(f"{'elasticyolo TrainingLoop':<34} {rs[0]['workers']:>8} {med(rs, 'img_s'):>9.2f} "
               f"{100 * med(rs, 'wait_share'):>9.2f}%  {[r['epochs'] for r in rs]}")
     if ul is not None:
-        print(f"{'Ultralytics YOLO().train()':<34} {ul['workers']:>8} {ul['img_s']:>9.2f} {100 * ul['wait_share']:>9.2f}%"
-              f"  {ul['epochs']}")
+        print(f"{'Ultralytics YOLO().train()':<34} {ul['workers']:>8} {ul['img_s']:>9.2f} "
+              f"{100 * ul['wait_share']:>9.2f}%  {ul['epochs']}")
     for w, rs in loader.items():
         print(f"{'elasticyolo loader alone (no model)':<34} {rs[0]['workers']:>8} {med(rs, 'img_s'):>9.1f} "
               f"{'':>10}  {[r['epochs'] for r in rs]}")

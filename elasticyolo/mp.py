@@ -31,6 +31,15 @@ def helper_context() -> BaseContext:
     return _ctx
 
 
+def start_fork_server() -> None:
+    """Start the fork server now (its imports run in parallel with whatever this process does
+    next) instead of at the first helper's start."""
+    from multiprocessing import forkserver
+
+    helper_context()
+    forkserver.ensure_running()
+
+
 class ParentWatch:
     """Exit-when-orphaned for a helper. The owner is the training process that created it: the
     pipe multiprocessing keeps to it (`parent_process().sentinel`) closes when it dies, whatever
@@ -86,4 +95,4 @@ def single_threaded(threads: int = 1) -> None:
         pass
 
 
-__all__ = ["PRELOAD", "ParentWatch", "adopt_environment", "helper_context", "single_threaded"]
+__all__ = ["PRELOAD", "ParentWatch", "adopt_environment", "helper_context", "single_threaded", "start_fork_server"]

@@ -124,7 +124,8 @@ def test_variant_travels_with_each_request(tmp_path: Path) -> None:
             for i in range(start, 6):
                 yield Request(("E", i), "d", (i,), CLOSED_MOSAIC if i >= 3 else "")
 
-        kinds = [loader.get("d", ("E", i), lambda i=i: plan(i))["transforms"][0] for i in range(6)]  # type: ignore[index]
+        kinds = [loader.get("d", ("E", i), lambda i=i: plan(i))["transforms"][0]  # type: ignore[index]
+                 for i in range(6)]
         assert kinds == ["open"] * 3 + ["closed"] * 3
         # A rollback from the closed epoch to before it gets the open transforms again.
         assert loader.get("d", ("E", 1), lambda: plan(1))["transforms"] == ["open"]  # type: ignore[index]

@@ -155,7 +155,8 @@ class Uploader:
             catalog.prune(self.store, self.job_name, keep_last=self.opts.keep_last, keep_epochs=self.opts.keep_epochs,
                           orphan_grace_s=self.opts.orphan_grace_s)
         except (Exception, NotFound) as exc:  # noqa: BLE001 - retention is best effort
-            self.log("warning", "checkpoint_prune_failed", job=self.job_name, error=f"{type(exc).__name__}: {exc}"[:300])
+            self.log("warning", "checkpoint_prune_failed", job=self.job_name,
+                     error=f"{type(exc).__name__}: {exc}"[:300])
 
     def retry_delay(self, work: _Work) -> float:
         delay = min(self.opts.retry_max_s, self.opts.retry_initial_s * 2 ** min(work.attempts - 1, 16))

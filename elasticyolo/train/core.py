@@ -132,6 +132,10 @@ class TrainCore:
     ) -> None:
         self.spec = spec
         self.rank, self.world, self.local_rank = rank, world, local_rank
+        if loader_workers(spec.workers, local_size(spec)) > 0:
+            from elasticyolo.mp import start_fork_server
+
+            start_fork_server()  # its imports overlap with building the model and datasets
         self.grad_allreduce = grad_allreduce
         self.device = pick_device(spec, local_rank)
         if self.device.type == "cuda":
@@ -155,7 +159,7 @@ class TrainCore:
         self.sampler = ElasticSampler(len(self.train_set), spec.batch, seed=spec.seed)
         datasets = {"train": self.train_set, **({"val": self.val_set} if self.val_set is not None else {})}
         self.loader = BatchLoader(datasets, self.hyp, loader_workers(spec.workers, local_size(spec)),
-                                  device=self.device, seed=spec.seed * 7_919 + rank)
+                                  device=self.device, seed=spec.seed)  # + each request's key: see BatchBuilder
         self._val_runs = 0
         self.amp = bool(spec.amp and self.device.type == "cuda")
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)

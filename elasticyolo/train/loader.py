@@ -38,7 +38,7 @@ from typing import Any, Callable, Hashable, Iterator, Mapping
 import torch
 
 from elasticyolo.log import get_logger
-from elasticyolo.train.loader_worker import BatchBuilder
+from elasticyolo.train.loader_worker import BatchBuilder, request_seed
 
 log = get_logger("elasticyolo.loader")
 
@@ -133,7 +133,7 @@ class _Pool:
         return self.failed is None and len(self.ready) >= self.loader.workers
 
     def send(self, seq: int, stream: int, req: Request) -> None:
-        self.tasks.put((seq, stream, req.dataset, req.indices, req.variant))
+        self.tasks.put((seq, stream, req.dataset, req.indices, req.variant, request_seed(self.loader.seed, req.key)))
 
     def check(self) -> str | None:
         """Why this pool is broken (a process died), or None."""
@@ -209,7 +209,7 @@ class BatchLoader:
         self.cond = threading.Condition()
         self.results: dict[int, tuple[int, Any, str | None]] = {}  # seq -> (stream, batch, error)
         self.pool: _Pool | None = None
-        self._builder = BatchBuilder(datasets, hyp)  # the in-process path
+        self._builder = BatchBuilder(datasets, hyp, keep_rng=True)  # the in-process path
         self._datasets, self._hyp = dict(datasets), hyp
         self._seq = 0
         self._closed = False
@@ -279,12 +279,15 @@ class BatchLoader:
             else:
                 if item.seq is not None and self.pool is not None:
                     self.pool.floors[s.index] = item.seq + 1  # workers skip it; a late result is dropped
-                batch = self._builder.build(req.dataset, req.indices, req.variant)
-                self.stats.inline += 1
+                batch = self._inline(req)
             self.stats.batches += 1
             return batch
         finally:
             self.stats.wait_s[stream] = self.stats.wait_s.get(stream, 0.0) + time.perf_counter() - t0
+
+    def _inline(self, req: Request) -> dict[str, Any]:
+        self.stats.inline += 1
+        return self._builder.build(req.dataset, req.indices, req.variant, request_seed(self.seed, req.key))
 
     def _replan(self, name: str, s: _Stream, key: Hashable, plan: Iterator[Request]) -> None:
         old = s.pending[0].request.key if s.pending else None
@@ -338,9 +341,7 @@ class BatchLoader:
                     pool = self.pool
                     if pool is not None and item.seq is not None:
                         pool.floors[s.index] = item.seq + 1
-                    req = item.request
-                    self.stats.inline += 1
-                    return self._builder.build(req.dataset, req.indices, req.variant)
+                    return self._inline(item.request)
         assert item.seq is not None
         pool.floors[s.index] = item.seq + 1
         if err is not None:

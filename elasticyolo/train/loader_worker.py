@@ -24,6 +24,7 @@ import queue
 import random
 import signal
 import traceback
+import zlib
 from typing import Any, Mapping, Sequence
 
 import elasticyolo.train  # noqa: F401  (offline Ultralytics before it is imported)
@@ -36,11 +37,18 @@ CLOSED_MOSAIC = "closed_mosaic"
 
 
 class BatchBuilder:
-    """Builds the batch for one request: `dataset.collate_fn([dataset[i] ...])` plus the indices."""
+    """Builds the batch for one request: `dataset.collate_fn([dataset[i] ...])` plus the indices.
 
-    def __init__(self, datasets: Mapping[str, Any], hyp: Any) -> None:
+    With a seed, the augmentation's random draws are seeded per request, so the same request
+    (same epoch, position, world and rank) gets the same augmented batch whichever process builds
+    it and however often: a batch trained again after a rollback is the same batch. (Mosaic also
+    draws from the dataset's buffer of recently loaded images, which depends on history.)
+    `keep_rng` (the training process) restores the global RNGs afterwards."""
+
+    def __init__(self, datasets: Mapping[str, Any], hyp: Any, keep_rng: bool = False) -> None:
         self.datasets = dict(datasets)
         self.hyp = hyp
+        self.keep_rng = keep_rng
         self._transforms: dict[tuple[str, str], Any] = {}
         self._variant: dict[str, str] = {name: "" for name in self.datasets}
 
@@ -48,10 +56,24 @@ class BatchBuilder:
         self.datasets[name] = dataset
         self._variant[name] = ""
 
-    def build(self, dataset: str, indices: Sequence[int], variant: str = "") -> dict[str, Any]:
+    def build(self, dataset: str, indices: Sequence[int], variant: str = "", seed: int | None = None
+              ) -> dict[str, Any]:
         ds = self.datasets[dataset]
         self._use(dataset, ds, variant)
-        batch = ds.collate_fn([ds[i] for i in indices])
+        if seed is None:
+            batch = ds.collate_fn([ds[i] for i in indices])
+        elif self.keep_rng:
+            py, npy = random.getstate(), np.random.get_state()
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    seed_everything(seed)
+                    batch = ds.collate_fn([ds[i] for i in indices])
+            finally:
+                random.setstate(py)
+                np.random.set_state(npy)
+        else:
+            seed_everything(seed)
+            batch = ds.collate_fn([ds[i] for i in indices])
         batch["indices"] = list(indices)
         return batch
 
@@ -69,10 +91,15 @@ class BatchBuilder:
         self._variant[name] = variant
 
 
+def request_seed(base: int, key: Any) -> int:
+    """A seed for one request, the same in every process (not Python's salted str hash)."""
+    return zlib.crc32(repr((base, key)).encode()) ^ (base & 0xFFFFFFFF)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)  # the CPU generator only (never a CUDA one)
 
 
 # ---- the worker --------------------------------------------------------------------------------
@@ -80,7 +107,7 @@ def worker_loop(worker_id: int, builder: BatchBuilder, tasks: Any, results: Any,
                 watch: Any) -> None:
     """Serve requests until told to stop (None) or orphaned.
 
-    A task is (seq, stream, dataset, indices, variant). `floors[stream]` is the lowest sequence
+    A task is (seq, stream, dataset, indices, variant, seed). `floors[stream]` is the lowest sequence
     number the training process still wants for that stream: anything below it was discarded
     (a reset, rollback or resize restarted the plan), so it is skipped without being built."""
     seed_everything(seed)
@@ -94,11 +121,11 @@ def worker_loop(worker_id: int, builder: BatchBuilder, tasks: Any, results: Any,
             continue
         if task is None:
             return
-        seq, stream, dataset, indices, variant = task
+        seq, stream, dataset, indices, variant, batch_seed = task
         if seq < floors[stream]:
             continue  # stale: the plan it belonged to was replaced
         try:
-            batch = builder.build(dataset, indices, variant)
+            batch = builder.build(dataset, indices, variant, batch_seed)
         except Exception:  # noqa: BLE001 - reported to the training process, which raises it
             results.put(("batch", seq, stream, None,
                          f"loader worker {worker_id} (pid {os.getpid()}):\n{traceback.format_exc()}"))
