@@ -1,17 +1,28 @@
 """What checkpointing costs the training loop: steps/s with checkpoints every N steps vs none.
 
-One TrainCore, one process; rounds alternate (with checkpoints, without, with, ...) so machine
-noise hits both alike. Checkpoints go to a real S3 API (moto_server on 127.0.0.1, at nice 19
-since in production S3 is not on the training node) through the production CheckpointManager. Also prints the blocking snapshot time per checkpoint against the
-background upload time (serialize + hash + upload + verify).
+One TrainCore, one process, optimizer pinned to SGD (with `optimizer=auto` Ultralytics 8.4 may
+pick MuSGD, whose Newton-Schulz iterations dominate a CPU step and hide what this measures).
+The two sides are continuous runs over several checkpoint intervals, interleaved (A B B A A B
+...): a "with" segment takes its checkpoints at the start of each interval, so every upload has
+a whole interval to land inside the segment that caused it, and the segment waits for the last
+one before the next segment starts (that wait is reported, and counted against "with" if it is
+not zero). So each side pays for its own uploads, and machine noise hits both alike.
 
-    .venv/bin/python bench/checkpoint_stall.py [--interval 200 --steps 200 --rounds 3 --imgsz 64]
+Checkpoints go to a real S3 API (moto_server on 127.0.0.1, at nice 19 since in production S3 is
+not on the training node) through the production CheckpointManager: the training process takes
+the blocking snapshot, the uploader process serializes, hashes and uploads. Also prints the
+blocking snapshot time per checkpoint against the background upload time.
+
+    .venv/bin/python bench/checkpoint_stall.py [--interval 200 --intervals 1 --rounds 10 --imgsz 64 --batch 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,24 +41,30 @@ from elasticyolo.train.state import build_core_checkpoint
 
 
 def main() -> None:
+    defaults = TrainSpec.model_fields
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--interval", type=int, default=200, help="save_period_steps (default: the spec default)")
-    ap.add_argument("--steps", type=int, default=200, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interval", type=int, default=defaults["save_period_steps"].default,
+                    help="steps between checkpoints (default: the spec's save_period_steps)")
+    ap.add_argument("--intervals", type=int, default=1, help="checkpoint intervals per segment")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds of one 'with' and one 'without' segment")
     ap.add_argument("--imgsz", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=defaults["workers"].default, help="data loader processes")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--uploader-nice", type=int, default=None,
+                    help="nice of the uploader process (default: the manager's)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the S3 server on the way out
+    torch.set_num_threads(args.threads)
     quiet_ultralytics()
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-stall-"))
     data = write_dataset(tmp / "data", SynthSpec(train=128, val=4, imgsz=args.imgsz, classes=2))
-    spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=10000", f"imgsz={args.imgsz}",
+    spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=100000", f"imgsz={args.imgsz}",
                                  f"batch={args.batch}", f"nbs={args.batch}", "val=false", "close_mosaic=0",
-                                 "warmup_epochs=0"])
+                                 "warmup_epochs=0", "optimizer=SGD", f"workers={args.workers}"])
     core = TrainCore(spec, work_dir=tmp / "run")
+    core.loader.wait_ready(120)
     with S3Server() as s3:
-        import os
-
         # In production S3 is another machine; here moto shares the two cores with training, so
         # it runs at the lowest priority to charge the training node only for its own work
         # (snapshot, serialize, hash, send).
@@ -56,34 +73,57 @@ def main() -> None:
         os.environ.update(s3.env())
         boto3.client("s3", endpoint_url=s3.endpoint_url).create_bucket(Bucket="bench")
         store = open_store("s3://bench/stall")
-        mgr = CheckpointManager(store, "bench", save_period_steps=args.interval, save_period_s=0, keep_last=2)
+        # Periods off: the segment decides when (at the start of each interval), as a period would.
+        nice = {} if args.uploader_nice is None else {"background_nice": args.uploader_nice}
+        mgr = CheckpointManager(store, "bench", save_period_steps=0, save_period_s=0, keep_last=1000, **nice)
 
-        def run(n: int, checkpoint: bool) -> float:
+        def step() -> None:
+            core.train_step()
+            core.end_epoch_if_done()
+
+        def segment(checkpoint: bool) -> tuple[float, float]:
+            """Seconds for `intervals x interval` steps, and the wait for the last upload."""
             t = time.perf_counter()
-            for _ in range(n):
-                core.train_step()
-                core.end_epoch_if_done()
-                if checkpoint:
-                    mgr.maybe_save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core))
-            return n / (time.perf_counter() - t)
+            for i in range(args.intervals * args.interval):
+                if checkpoint and i % args.interval == 0:
+                    mgr.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
+                             reason="period_steps")
+                step()
+            trained = time.perf_counter() - t
+            waited = 0.0
+            if checkpoint:
+                t = time.perf_counter()
+                mgr.wait(600)
+                waited = time.perf_counter() - t
+            return trained + waited, waited
 
-        run(3, False)  # warm-up
-        ratios = []
-        print(f"{'round':>5} {'with ckpt steps/s':>18} {'without steps/s':>16} {'ratio':>7}")
+        for _ in range(5):  # warm-up
+            step()
+        mgr.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core), reason="warmup")
+        mgr.wait(600)  # the uploader process is up and the shared-memory slots are sized
+        n = args.intervals * args.interval
+        ratios, with_s, without_s, waits = [], 0.0, 0.0, []
+        print(f"{'round':>5} {'with ckpt steps/s':>18} {'without steps/s':>16} {'ratio':>7} {'last upload wait s':>19}")
         for r in range(args.rounds):
-            a = run(args.steps, True)
-            b = run(args.steps, False)
+            order = (True, False) if r % 2 == 0 else (False, True)
+            got = {c: segment(c) for c in order}
+            a, b = n / got[True][0], n / got[False][0]
+            with_s, without_s = with_s + got[True][0], without_s + got[False][0]
+            waits.append(got[True][1])
             ratios.append(a / b)
-            print(f"{r:>5} {a:>18.3f} {b:>16.3f} {a / b:>7.3f}")
+            print(f"{r:>5} {a:>18.3f} {b:>16.3f} {a / b:>7.3f} {got[True][1]:>19.2f}")
         mgr.close(timeout=120)
-        manifests = list_manifests(store, "bench")
-    snap = [m.snapshot_s for m in manifests]
-    up = [m.upload_s for m in manifests]
-    print(f"median ratio with/without = {statistics.median(ratios):.3f} (checkpoint every {args.interval} steps, "
-          f"{args.steps} steps x {args.rounds} rounds, imgsz {args.imgsz}, batch {args.batch}; target >= 0.99)")
-    if snap:
-        print(f"per checkpoint ({len(snap)} kept, {manifests[-1].size / 1e6:.1f} MB): blocking snapshot "
-              f"{statistics.median(snap):.3f} s vs background upload {statistics.median(up):.3f} s (medians)")
+        manifests = [m for m in list_manifests(store, "bench") if m.reason != "warmup"]
+    print(f"median ratio with/without = {statistics.median(ratios):.3f}, overall {without_s / with_s:.3f} "
+          f"(checkpoint every {args.interval} steps, {args.intervals} intervals x {args.rounds} rounds per side, "
+          f"imgsz {args.imgsz}, batch {args.batch}, workers {core.loader.workers}, optimizer SGD; target >= 0.99)")
+    if manifests:
+        snap = [m.snapshot_s for m in manifests]
+        up = [m.upload_s for m in manifests]
+        print(f"per checkpoint ({len(manifests)} kept of {args.rounds * args.intervals}, "
+              f"{manifests[-1].size / 1e6:.1f} MB): blocking snapshot {statistics.median(snap):.3f} s vs background "
+              f"upload {statistics.median(up):.3f} s (medians, uploader process at nice {mgr.background_nice})")
+    core.close()
 
 
 if __name__ == "__main__":

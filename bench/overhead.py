@@ -4,7 +4,11 @@ Both train the same model architecture on the same generated data with the same 
 and image size; they run interleaved step by step (A, B, A, B, ...) in one process so machine noise
 hits both alike. Prints per-round figures and the median ratio (elasticyolo / plain).
 
-    .venv/bin/python bench/overhead.py [--rounds 5 --steps 10 --imgsz 128 --batch 8]
+`--workers` sets the data loader processes of both sides (elasticyolo's loader, a persistent
+torch `DataLoader` for the plain loop); the default 0 loads in the process on both sides, so the
+ratio is the cost of the loop itself.
+
+    .venv/bin/python bench/overhead.py [--rounds 5 --steps 10 --imgsz 128 --batch 8 --workers 0]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from elasticyolo.train.loop import TrainingLoop
 class PlainLoop:
     """The baseline: what a user would write around Ultralytics' parts, no elasticity."""
 
-    def __init__(self, core: TrainCore) -> None:
+    def __init__(self, core: TrainCore, workers: int) -> None:
         from ultralytics.engine.trainer import BaseTrainer
         from ultralytics.nn.tasks import DetectionModel
         from ultralytics.utils.torch_utils import ModelEMA
@@ -37,8 +41,10 @@ class PlainLoop:
         self.model = DetectionModel(cfg=spec.model, nc=core.data["nc"], ch=3, verbose=False)
         self.model.args = core.hyp
         self.dataset = core.train_set
+        extra = dict(persistent_workers=True, multiprocessing_context="forkserver") if workers else {}
         self.loader = torch.utils.data.DataLoader(self.dataset, batch_size=spec.batch, shuffle=True,
-                                                  num_workers=0, collate_fn=self.dataset.collate_fn, drop_last=True)
+                                                  num_workers=workers, collate_fn=self.dataset.collate_fn,
+                                                  drop_last=True, **extra)
         shim = SimpleNamespace(args=core.hyp, data=core.data)
         self.optimizer = BaseTrainer.build_optimizer(shim, model=self.model, name=type(core.optimizer).__name__,
                                                      lr=spec.lr0, momentum=spec.momentum, decay=spec.weight_decay)
@@ -67,6 +73,7 @@ def main() -> None:
     ap.add_argument("--imgsz", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=0, help="data loader processes, both sides")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     quiet_ultralytics()
@@ -75,9 +82,10 @@ def main() -> None:
     # nbs = batch: one micro-batch per optimizer step in both loops; mosaic off in both.
     spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=1000", f"imgsz={args.imgsz}",
                                  f"batch={args.batch}", f"nbs={args.batch}", "close_mosaic=1000", "val=false",
-                                 "optimizer=SGD", "warmup_epochs=0"])
+                                 "optimizer=SGD", "warmup_epochs=0", f"workers={args.workers}"])
     core = TrainCore(spec, work_dir=tmp / "run")
-    plain = PlainLoop(core)
+    core.loader.wait_ready(120)
+    plain = PlainLoop(core, args.workers)
     ours = TrainingLoop(core)
 
     def ours_steps(n: int) -> None:
@@ -104,7 +112,9 @@ def main() -> None:
         ratios.append(a / b)
         print(f"{r:>5} {a:>20.3f} {b:>14.3f} {a / b:>7.3f}")
     print(f"median ratio elasticyolo/plain = {statistics.median(ratios):.3f} "
-          f"(imgsz {args.imgsz}, batch {args.batch}, {args.steps} steps x {args.rounds} rounds, target >= 0.97)")
+          f"(imgsz {args.imgsz}, batch {args.batch}, workers {args.workers}, {args.steps} steps x {args.rounds} rounds, "
+          f"target >= 0.97)")
+    core.close()
 
 if __name__ == "__main__":
     main()

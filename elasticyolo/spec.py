@@ -44,7 +44,9 @@ class TrainSpec(BaseModel):
     cos_lr: bool = False
     close_mosaic: int = Field(10, ge=0)
     seed: int = 0
-    workers: int = Field(0, ge=0, description="dataloader processes per worker")
+    workers: int = Field(8, description="data loader processes per training process, at most the CPUs per slot; "
+                                        "0 loads in the training process")
+    cache: Literal["ram", "disk", "false"] = Field("false", description="keep decoded, resized images: ram, disk or false")
     amp: bool = True
     device: str = ""
     val: bool = True
@@ -85,6 +87,28 @@ class TrainSpec(BaseModel):
         from elasticyolo.engines.registry import check_engine_name
 
         return check_engine_name(v)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> int:
+        try:
+            n = int(str(v).strip()) if not isinstance(v, bool) else None
+        except ValueError:
+            n = None
+        if n is None or n < 0:
+            raise ValueError(f"{v!r} is not a valid value: expected a whole number >= 0 "
+                             "(0 = load data in the training process; default 8, capped at the CPUs per slot)")
+        return n
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, v: Any) -> str:
+        # Ultralytics' values: True/"ram", "disk", False.
+        text = str(v).strip().lower() if v is not None else "false"
+        value = {"true": "ram", "ram": "ram", "disk": "disk", "false": "false", "none": "false", "": "false"}.get(text)
+        if value is None:
+            raise ValueError(f"{v!r} is not a valid value: expected ram, disk or false (true means ram)")
+        return value
 
     @field_validator("hyp")
     @classmethod
@@ -163,6 +187,7 @@ class TrainSpec(BaseModel):
                 "warmup_momentum", "warmup_bias_lr", "nbs", "cos_lr", "close_mosaic", "epochs",
                 "seed", "workers", "optimizer", "amp")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        out["cache"] = False if self.cache == "false" else self.cache
         out.update(self.hyp)
         out["model"] = self.model
         out["data"] = self.data

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from elasticyolo.checkpoint import CheckpointManager, list_manifests, open_store, read_latest, restore_latest
 from elasticyolo.checkpoint.adaptive import YoungDaly
-from elasticyolo.checkpoint.stores.file import FileStore
+from elasticyolo.testing.checkpoint_faults import GatedSerializer, TruncatingStore
 from elasticyolo.testing.servers import S3Server, free_port
 
 torch = pytest.importorskip("torch")
@@ -256,27 +256,11 @@ def test_corrupt_newest_falls_back(bucket: str) -> None:
     assert any("missing" in e.get("reason", "") for e in logs)
 
 
-class TruncatingStore(FileStore):
-    """Writes half the object on the first `bad` uploads (a half-written checkpoint)."""
-
-    def __init__(self, root: Path, bad: int) -> None:
-        super().__init__(f"file://{root}", str(root))
-        self.bad = bad
-
-    def put_file(self, key: str, fileobj: Any, size: int, *, metadata: dict[str, str] | None = None) -> None:
-        if self.bad > 0:
-            self.bad -= 1
-            fileobj.seek(0)
-            self.put_bytes(key, fileobj.read(size // 2))
-            return
-        super().put_file(key, fileobj, size, metadata=metadata)
-
-
 def test_half_written_never_becomes_latest(tmp_path: Path) -> None:
-    store = TruncatingStore(tmp_path, bad=0)
+    store = TruncatingStore(tmp_path / "store", tmp_path / "bad")
     mgr = fast_manager(store, "job", retry_initial_s=0.3)
     assert mgr.maybe_save(10, 0, lambda: fake_ckpt(10)) and mgr.wait(10)
-    store.bad = 2
+    store.set_bad(2)
     assert mgr.maybe_save(20, 0, lambda: fake_ckpt(20))
     _until(lambda: mgr.failures >= 1)
     assert read_latest(store, "job").step == 10 and steps_of(store, "job") == [10]  # type: ignore[union-attr]
@@ -288,20 +272,15 @@ def test_half_written_never_becomes_latest(tmp_path: Path) -> None:
 
 
 def test_at_most_one_pending(tmp_path: Path) -> None:
-    gate = threading.Event()
-
-    def slow_serialize(ckpt: Any, out: Any) -> None:
-        gate.wait(10)
-        torch.save(dict(ckpt), out)
-
-    store = open_store(f"file://{tmp_path}")
-    mgr = fast_manager(store, "job", serializer=slow_serialize)
+    gate = tmp_path / "gate"
+    store = open_store(f"file://{tmp_path}/store")
+    mgr = fast_manager(store, "job", serializer=GatedSerializer(gate))
     for step in (10, 20, 30, 40, 50):
         assert mgr.maybe_save(step, 0, lambda: fake_ckpt(step))
         _until(lambda: mgr.status()["uploading_step"] == 10)
     st = mgr.status()
     assert st["uploading_step"] == 10 and st["pending_step"] == 50 and st["superseded"] == 3
-    gate.set()
+    gate.touch()
     assert mgr.wait(20)
     assert steps_of(store, "job") == [10, 50]
     mgr.close()
@@ -350,19 +329,14 @@ def test_due_and_adaptive() -> None:
 
 
 def test_latest_never_moves_back_for_a_stale_writer(tmp_path: Path) -> None:
-    gate = threading.Event()
-
-    def slow_serialize(ckpt: Any, out: Any) -> None:
-        gate.wait(10)
-        torch.save(dict(ckpt), out)
-
-    store = open_store(f"file://{tmp_path}")
-    stale = fast_manager(store, "job", serializer=slow_serialize)  # an old rank 0, still uploading
+    gate = tmp_path / "gate"
+    store = open_store(f"file://{tmp_path}/store")
+    stale = fast_manager(store, "job", serializer=GatedSerializer(gate))  # an old rank 0, still uploading
     assert stale.maybe_save(20, 0, lambda: fake_ckpt(20))
     with fast_manager(store, "job", start_step=40) as new:  # the new rank 0 after a resize
         assert new.maybe_save(50, 0, lambda: fake_ckpt(50)) and new.wait(10)
     with capture_logs() as logs:
-        gate.set()
+        gate.touch()
         assert stale.wait(10)
     assert read_latest(store, "job").step == 50  # type: ignore[union-attr]
     assert steps_of(store, "job") == [20, 50] and any(e["event"] == "checkpoint_latest_kept" for e in logs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import boto3
+import psutil
 import pytest
 import torch
 
@@ -25,21 +26,28 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
     uri = f"s3://{BUCKET}/jobs"
     data = write_dataset(tmp_path / "data", SynthSpec(train=32, val=8, imgsz=64, classes=2))
-    # 8 epochs x 8 steps: long enough that the first run is killed mid-training even when uploads
-    # to moto are slow on a loaded box (the kill waits for a periodic, not the final, checkpoint).
-    args = [f"data={data}", "model=yolov8n.yaml", "epochs=8", "imgsz=64", "batch=4", "nbs=4", "val=false",
-            "close_mosaic=4", "warmup_epochs=1", "scale=0", "translate=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
+    # 30 epochs (240 steps): long enough that a checkpoint lands well before the end (uploads run
+    # in a low-priority process and training is fast here).
+    args = [f"data={data}", "model=yolov8n.yaml", "epochs=30", "imgsz=64", "batch=4", "nbs=4", "val=false",
+            "close_mosaic=30", "warmup_epochs=1", "scale=0", "translate=0", f"checkpoint={uri}", "save_period_steps=3", "commit_every=1"]
     env = {**s3_server.env(), "ELASTICYOLO_JOB": "restart"}
     store = open_store(uri)
 
     (tmp_path / "run1").mkdir()
     first = HorovodElasticJob(tmp_path / "run1", ["localhost:1"], args, env=env).start()
+    helpers: set[int] = set()
     try:
         first.wait_for(lambda: (m := read_latest(store, "restart")) is not None and m.step >= 9
                        and m.reason != "final" and m, 300, "a mid-training checkpoint at step >= 9 in S3")
+        for pid in {e["pid"] for e in first.events()}:  # the workers' loader and uploader processes
+            try:
+                helpers |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
     finally:
         first.stop()  # SIGKILL horovodrun and every worker: nothing survives in memory
-    wait_for(lambda: not any(_alive(e["pid"]) for e in first.events()), 20, "every worker gone")
+    wait_for(lambda: not any(_alive(p) for p in {e["pid"] for e in first.events()} | helpers), 20,
+           "every worker and its helper processes gone")
     saved = read_latest(store, "restart")
     assert saved is not None
     ckpt, manifest = restore_latest(store, "restart")  # type: ignore[misc]
@@ -58,7 +66,8 @@ def test_kill_everything_then_resume_from_s3(tmp_path: Path, s3_server: S3Server
         second.stop()
     events = second.events()
     resume = next(e for e in events if e["ev"] == "resume")
-    assert (resume["step"], resume["epoch"]) == (saved.step, saved.epoch)
+    # An epoch-end checkpoint records the epoch it completed; training resumes in the next one.
+    assert (resume["step"], resume["epoch"]) == (saved.step, saved.epoch + int(saved.epoch_end))
     # The loss curve continues from exactly the saved weights and optimizer state (the loss
     # itself is too noisy at this size to compare: augmentation draws differ between runs).
     assert resume["params_digest"] == pytest.approx(saved_params, rel=1e-9)

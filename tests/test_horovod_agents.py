@@ -76,7 +76,9 @@ def assert_exactly_once(events: list[dict], epochs: int) -> None:
 
 
 def test_agent_killed_world_shrinks_then_new_agent_grows_it(cluster: AgentCluster, dataset: Path) -> None:
-    c, epochs = cluster, 12
+    # Long enough for a 4th agent to start and pre-warm (imports, loader processes) on a busy
+    # 2-core box while the world still trains.
+    c, epochs = cluster, 30
     start_three(c, dataset, epochs)
     view = c.status()
     assert view["world_size"] == 3 and view["state"] == "running"

@@ -34,9 +34,10 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def worker_args(data: Path, epochs: int = 2) -> list[str]:
     # batch 4, nbs 8 -> accumulate 2 at reference world 1; one commit per step so the rollback
     # point is exact; val off to keep the test short (validation is tested elsewhere).
+    # workers=2: batches come from two prefetching loader processes per worker.
     return [f"model=yolov8n.yaml", f"data={data}", f"epochs={epochs}", "imgsz=64", "batch=4", "nbs=8",
             "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "policy=linear",
-            f"resize_warmup_steps={RAMP}"]
+            f"resize_warmup_steps={RAMP}", "workers=2"]
 
 
 @pytest.fixture
@@ -55,6 +56,16 @@ def job_factory(tmp_path: Path) -> Iterator:
 
 def assert_exactly_once(events: list[dict], epochs: int) -> None:
     assert_each_epoch_exactly_once(events, epochs, N_TRAIN)
+
+
+def assert_prefetch_discarded(events: list[dict], pid: int, after: float, world: int) -> None:
+    """Batches come from the loader's processes; when `pid` resumed at `world` after `after`, the
+    batches it had prefetched for the old world were discarded unused (the step records hold the
+    indices of the batches really trained, which the exactly-once check reads)."""
+    loaders = [e for e in events if e["ev"] == "loader"]
+    assert loaders and all(e["workers"] == 2 for e in loaders), loaders
+    replans = [e for e in events if e["ev"] == "replan" and e["pid"] == pid and e["t"] > after]
+    assert replans and replans[0]["new"][2] == world and replans[0]["dropped"] > 0, replans
 
 
 def test_sigkill_worker_mid_epoch_survivor_continues(dataset: Path, job_factory) -> None:  # type: ignore[no-untyped-def]
@@ -78,7 +89,9 @@ def test_sigkill_worker_mid_epoch_survivor_continues(dataset: Path, job_factory)
     after = [e for e in events if e["ev"] == "step" and e["world"] == 1 and e["t"] > resume["t"]]
     assert len(after) > RAMP, "too few steps after the resize"
     assert_ramp([e["lr_scale"] for e in after], 2.0, 1.0)
-    # Exactly-once coverage of every epoch, counting only committed work.
+    # The survivor dropped what it had prefetched for world 2, and trained every sample of every
+    # epoch exactly once, counting only committed work.
+    assert_prefetch_discarded(events, resume["pid"], kill_t, world=1)
     assert_exactly_once(events, epochs=2)
     assert "done: epochs=2" in job.log_tail(200)
 
@@ -105,4 +118,6 @@ def test_added_host_grows_world_and_receives_committed_state(dataset: Path, job_
     assert resumes[0]["step"] >= 2
     w2_steps = [e for e in events if e["ev"] == "step" and e["world"] == 2 and e["rank"] == 0]
     assert_ramp([e["lr_scale"] for e in w2_steps], 1.0, 2.0)
+    rank0 = next(e for e in resumes if e["rank"] == 0)
+    assert_prefetch_discarded(events, rank0["pid"], rank0["t"], world=2)
     assert_exactly_once(events, epochs=5)

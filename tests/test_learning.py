@@ -43,7 +43,7 @@ def sharded_validate(core: TrainCore, world: int) -> dict:
         core.rank, core.world = rank, world
         core.validate(gather=capture)
         parts.append(captured["stats"])
-    assert sum(len(p["target_cls"]) for p in parts) == len(core._val_loader.dataset)  # each image once
+    assert sum(len(p["target_cls"]) for p in parts) == len(core.val_set)  # each image once
     core.rank, core.world = 0, world
     merged = core.validate(gather=lambda _obj: parts)
     core.rank, core.world = 0, 1

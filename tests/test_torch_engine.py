@@ -22,7 +22,7 @@ from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
-from elasticyolo.testing.trace import read_trace  # noqa: E402
+from elasticyolo.testing.trace import coverage_by_epoch, read_trace  # noqa: E402
 from elasticyolo.testing.wait import wait_for  # noqa: E402
 
 N_TRAIN = 32
@@ -128,7 +128,7 @@ def jobs(tmp_path: Path) -> Iterator[Any]:
 
 def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, dataset, jobs) -> None:
     job = jobs(etcd_server.endpoints, job_name)
-    job.submit(spec_pairs(dataset, epochs=200))
+    job.submit(spec_pairs(dataset, epochs=200, workers=2))  # two prefetching loader processes per worker
     job.start("a")
     b = job.start("b")
     job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 120,
@@ -168,6 +168,17 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     workers = {e["pid"] for e in job.events("resume")}
     job.cancel()
     job.wait(lambda: all(gone(p) for p in workers), 60, "all workers stopped after cancel")
+    # Every worker loaded through two loader processes, and every epoch completed across the kill
+    # and the join trained each sample exactly once (counting committed work: the latest
+    # execution of each step).
+    loaders = job.events("loader")
+    assert loaders and all(e["workers"] == 2 for e in loaders), loaders
+    events = read_trace(job.trace_dir)
+    done_epochs = max(e["epoch"] for e in job.events("step"))
+    assert done_epochs >= 1, "no epoch completed"
+    cov = coverage_by_epoch(events)
+    for epoch in range(done_epochs):
+        assert sorted(cov[epoch]) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"
     print(f"\nTIMING torch engine kill_to_next_step={kill_to_step:.2f}s join_to_next_step={join_to_step:.2f}s")
 
 

@@ -10,18 +10,21 @@ elasticyolo installed): exact position (global step, epoch, step within epoch), 
 model and EMA state_dicts (the half EMA above is lossy), scheduler, scaler, world size, policy and a
 free-form `resume` dict (sampler state, policy ramp, RNG, ...).
 
-`build_checkpoint` is the only part that blocks training: it copies tensors to CPU. Pickling,
-hashing and uploading happen later on the manager's thread.
+`build_checkpoint` is the only part that blocks training: it copies tensors to host memory (under
+`shipping.capture`, straight into the shared memory the uploader process reads). Pickling,
+hashing and uploading happen in the uploader process; so does the half-precision EMA copy
+(`finalize`, run by `serialize`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextvars
 import copy
 import io
 import itertools
 from datetime import datetime
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -33,15 +36,27 @@ KEY = "elasticyolo"
 
 
 # ---- copying to CPU (the blocking part) -----------------------------------------------------
+HOST_ALLOCATOR: contextvars.ContextVar[Callable[[torch.Size, torch.dtype], torch.Tensor] | None] = \
+    contextvars.ContextVar("elasticyolo_checkpoint_host_allocator", default=None)
+"""Where snapshot tensors go (set by `shipping.capture`: a shared-memory slot). When set, the
+half-precision EMA copy is left to `serialize` in the uploader process."""
+
+
 class _Copier:
-    """Copies tensors to CPU. CUDA copies are issued non_blocking (into pinned memory) and waited
-    for once at the end, instead of one synchronisation per tensor."""
+    """Copies tensors to CPU (into `HOST_ALLOCATOR`'s memory when set). CUDA copies are issued
+    non_blocking and waited for once at the end, instead of one synchronisation per tensor."""
 
     def __init__(self) -> None:
         self.cuda = False
+        self.alloc = HOST_ALLOCATOR.get()
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
+        if self.alloc is not None:
+            dst = self.alloc(t.shape, t.dtype)
+            self.cuda |= t.device.type == "cuda"
+            dst.copy_(t, non_blocking=t.device.type == "cuda")
+            return dst
         if t.device.type == "cuda":
             self.cuda = True
             return t.to("cpu", non_blocking=True)
@@ -131,15 +146,11 @@ def build_checkpoint(
         scaler_sd = cp.tree(scaler.state_dict()) if scaler is not None else None
         extra = cp.tree(dict(resume or {}))
         cp.finish()
-        # state_dict() holds the fp32 tensors; .half() then replaces the module's tensors with new
-        # half ones, so the fp32 copies survive for exact resume without another copy.
+        # state_dict() holds the fp32 tensors; finalize()'s .half() replaces the module's tensors
+        # with new half ones, so the fp32 copies survive for exact resume without another copy.
         ema_sd = ema_copy.state_dict()
-        ema_copy.half().to(memory_format=torch.contiguous_format).eval()
-        for v in ema_copy.state_dict().values():
-            if v.is_floating_point():
-                torch.nan_to_num_(v)  # fp16 overflow -> finite, as Ultralytics does
     args = dict(vars(train_args)) if not isinstance(train_args, Mapping) else dict(train_args)
-    return {
+    ckpt = {
         "epoch": epoch if epoch_end else epoch - 1,  # Ultralytics: last completed epoch
         "best_fitness": best_fitness,
         "stopper": {"best_fitness": best_fitness, "best_epoch": max(epoch - (0 if epoch_end else 1), 0)},
@@ -173,11 +184,26 @@ def build_checkpoint(
             "resume": extra,
         },
     }
+    return ckpt if cp.alloc is not None else finalize(ckpt)
+
+
+def finalize(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """Make the `ema` module the half-precision copy Ultralytics writes (idempotent)."""
+    ema = ckpt.get("ema")
+    if isinstance(ema, nn.Module):
+        first = next(iter(ema.parameters()), None)
+        if first is not None and first.dtype != torch.float16:
+            with torch.no_grad():
+                ema.half().to(memory_format=torch.contiguous_format).eval()
+                for v in ema.state_dict().values():
+                    if v.is_floating_point():
+                        torch.nan_to_num_(v)  # fp16 overflow -> finite, as Ultralytics does
+    return ckpt
 
 
 # ---- reading ----------------------------------------------------------------------------------
 def serialize(ckpt: Mapping[str, Any], fileobj: io.IOBase | Any) -> None:
-    torch.save(dict(ckpt), fileobj)
+    torch.save(finalize(dict(ckpt)), fileobj)
 
 
 def load_checkpoint_file(fileobj: Any) -> dict[str, Any]:

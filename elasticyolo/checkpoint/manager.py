@@ -1,82 +1,72 @@
-"""Periodic checkpoints with a blocking snapshot and a background upload.
+"""Periodic checkpoints: a blocking snapshot in the training process, everything else in an
+uploader process.
 
 The training thread calls `maybe_save(...)` every step. When a checkpoint is due it calls the
-caller's `snapshot_fn()` (copy the state to CPU: the only part that blocks training) and hands the
-dict to one background thread, which pickles it to a spool file, hashes it (sha256), uploads it,
-verifies the stored object, writes the manifest (conditional put: never overwritten) and only then
-moves `latest.json`. At most one snapshot waits behind the one uploading: a newer snapshot
-replaces it, so memory stays bounded when the store is slow or down. Failed uploads are retried
-with backoff forever (until superseded or `close()` gives up); training never waits for them.
+caller's `snapshot_fn()`, whose tensor copies go straight into a shared-memory slot (see
+`shipping.py`): that copy to host memory is all training waits for. The slot and the snapshot's
+structure are handed to the uploader process (`uploader.py`), which serializes, hashes,
+uploads, verifies, writes the manifest (never overwritten) and only then moves `latest.json`.
 
-Torch is imported only on the upload thread (serialization), so importing this module is cheap.
+At most one snapshot waits behind the one uploading: a newer snapshot replaces it, so memory
+stays bounded (two slots) when the store is slow or down. Failed uploads are retried with
+backoff until they land, a newer snapshot supersedes them, or `close()` gives up; training never
+waits for them. The uploader reports back over a pipe (landed, failed, log records), and this
+side keeps the status, metrics and logs, so they look as if the work happened here.
+
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import random
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Literal, Mapping
 
-from elasticyolo import __version__ as ELASTICYOLO_VERSION
-from elasticyolo.checkpoint import catalog, layout
+from elasticyolo.checkpoint import layout
 from elasticyolo.checkpoint.adaptive import YoungDaly
+from elasticyolo.checkpoint.hashing import sha256_of
 from elasticyolo.checkpoint.layout import Manifest
 from elasticyolo.checkpoint.metrics import get_metrics
-from elasticyolo.checkpoint.stores import NotFound, PreconditionFailed, Store
-from elasticyolo.checkpoint.stores.retry import is_transient
+from elasticyolo.checkpoint.stores import Store
+from elasticyolo.checkpoint.uploader import Job, UploadOptions, VerifyError
 from elasticyolo.log import get_logger
 
 log = get_logger("elasticyolo.checkpoint")
 
 SnapshotFn = Callable[[], Mapping[str, Any]]
 Serializer = Callable[[Mapping[str, Any], IO[bytes]], None]
-_CHUNK = 8 * 1024 * 1024
 
-
-class VerifyError(Exception):
-    """The stored object does not match what was uploaded."""
-
-
-def sha256_of(fileobj: IO[bytes]) -> tuple[str, int]:
-    fileobj.seek(0)
-    h, n = hashlib.sha256(), 0
-    while chunk := fileobj.read(_CHUNK):
-        h.update(chunk)
-        n += len(chunk)
-    return h.hexdigest(), n
-
-
-def _torch_serialize(ckpt: Mapping[str, Any], out: IO[bytes]) -> None:
-    from elasticyolo.checkpoint.format import serialize
-
-    serialize(ckpt, out)
-
-
-def _fields(ckpt: Mapping[str, Any]) -> dict[str, Any]:
-    from elasticyolo.checkpoint.format import manifest_fields
-
-    return manifest_fields(ckpt)
+__all__ = ["CheckpointManager", "Serializer", "SnapshotFn", "VerifyError", "sha256_of"]
 
 
 @dataclass
 class _Job:
-    step: int
-    epoch: int
-    reason: str
-    snapshot_s: float
-    ckpt: Mapping[str, Any] | None
-    name: str
-    taken_at: float = field(default_factory=time.time)  # wall clock, comparable with manifests
-    spool: Any = None  # SpooledTemporaryFile once serialized (kept across retries)
-    sha256: str = ""
-    size: int = 0
-    fields: dict[str, Any] = field(default_factory=dict)
-    attempts: int = 0
+    job: Job
+    slot: int
+    skeleton: bytes = b""
+    released: bool = False  # the uploader has read the slot (it may hold another snapshot now)
+
+    @property
+    def step(self) -> int:
+        return self.job.step
+
+
+@dataclass
+class _Slots:
+    """Two shared-memory slots: one may be the uploader's (sent, not yet read back), the other
+    takes the next snapshot."""
+
+    slots: list[Any] = field(default_factory=lambda: [None, None])
+    owner: list[int | None] = field(default_factory=lambda: [None, None])  # job id the uploader holds it for
+
+    def get(self, i: int) -> Any:
+        if self.slots[i] is None:
+            from elasticyolo.checkpoint.shipping import HostSlot
+
+            self.slots[i] = HostSlot()
+        return self.slots[i]
 
 
 class CheckpointManager:
@@ -97,11 +87,14 @@ class CheckpointManager:
         retry_max_s: float = 60.0,
         orphan_grace_s: float = 3600.0,
         spool_max_bytes: int = 512 * 1024 * 1024,
-        background_nice: int = 10,
+        background_nice: int = 19,
         serializer: Serializer | None = None,
         registry: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`serializer` (tests) runs in the uploader process, so it must pickle by reference (a
+        module-level function or a picklable object); so must `store`, apart from its locks and
+        network clients (see `shipping.dumps_portable`)."""
         self.store = store
         self.job = layout.check_job(job)
         self.save_period_steps = save_period_steps
@@ -109,12 +102,11 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_epochs = keep_epochs
         self.adaptive = YoungDaly(clock=clock, **dict(adaptive_opts or {})) if adaptive else None
-        self.verify = verify
-        self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
-        self.orphan_grace_s = orphan_grace_s
-        self.spool_max_bytes = spool_max_bytes
+        self.options = UploadOptions(keep_last=keep_last, keep_epochs=keep_epochs, verify=verify,
+                                     retry_initial_s=retry_initial_s, retry_max_s=retry_max_s,
+                                     orphan_grace_s=orphan_grace_s, spool_max_bytes=spool_max_bytes)
         self.background_nice = background_nice
-        self._serialize = serializer or _torch_serialize
+        self._serializer = serializer
         self._clock = clock
         self._m = get_metrics(registry).for_job(self.job)
 
@@ -122,11 +114,16 @@ class CheckpointManager:
         self._last_time = clock()
         self._last: Manifest | None = None  # newest checkpoint that landed
         self._cond = threading.Condition()
-        self._pending: _Job | None = None
-        self._inflight: _Job | None = None
+        self._send_lock = threading.Lock()
+        self._slots = _Slots()
+        self._pending: _Job | None = None  # captured, not yet sent
+        self._inflight: _Job | None = None  # sent to the uploader
+        self._retrying = False  # the in-flight one failed and waits to retry
+        self._next_id = 1
+        self._proc: Any = None
+        self._conn: Any = None
+        self._starting = False
         self._stopping = False
-        self._abort = False
-        self._thread: threading.Thread | None = None
         self.failures = 0  # consecutive failed attempts
         self.last_error: str | None = None
         self.superseded = 0
@@ -153,21 +150,43 @@ class CheckpointManager:
     def maybe_save(self, step: int, epoch: int, snapshot_fn: SnapshotFn, *, epoch_end: bool = False,
                    force: bool = False, reason: str | None = None) -> bool:
         """Call once per optimizer step (after it) on the rank that checkpoints. Returns whether a
-        snapshot was taken. Blocks only for `snapshot_fn()`."""
+        snapshot was taken. Blocks only for `snapshot_fn()`'s copy to host memory."""
         why = self.due(step, epoch_end=epoch_end, force=force)
         if why is None:
             return False
+        if self._stopping:
+            log.warning("checkpoint_after_close", job=self.job, step=step)
+            return False
+        from elasticyolo.checkpoint import shipping
+
         t0 = time.perf_counter()
         self._last_step, self._last_time = max(step, self._last_step), self._clock()
+        with self._cond:
+            if self._pending is not None:  # its slot takes the new snapshot
+                self._drop(self._pending.job, "a newer snapshot was taken")
+                index, self._pending = self._pending.slot, None
+            else:
+                free = [i for i, owner in enumerate(self._slots.owner) if owner is None]
+                if not free:  # not expected: the uploader holds at most one slot
+                    log.warning("checkpoint_no_free_slot", job=self.job, step=step)
+                    return False
+                index = free[0]
+        slot = self._slots.get(index)
         try:
-            ckpt = snapshot_fn()
+            with shipping.capture(slot):
+                ckpt = snapshot_fn()
+            skeleton = shipping.dumps(ckpt, slot)
+            del ckpt
         except Exception as exc:  # noqa: BLE001 - a failed snapshot skips one checkpoint, not the run
             self.last_error = f"snapshot: {type(exc).__name__}: {exc}".replace("\n", " ")[:300]
             log.error("checkpoint_snapshot_failed", job=self.job, step=step, error=self.last_error, exc_info=True)
             return False
         snapshot_s = time.perf_counter() - t0
         self._m["snapshot_seconds"].observe(snapshot_s)
-        self._submit(_Job(step, epoch, reason or why, snapshot_s, ckpt, layout.new_name(step)))
+        with self._cond:
+            job = Job(self._next_id, step, epoch, reason or why, snapshot_s, layout.new_name(step), time.time())
+            self._next_id += 1
+        self._submit(_Job(job, index, skeleton))
         return True
 
     def save(self, step: int, epoch: int, snapshot_fn: SnapshotFn, *, reason: str = "forced",
@@ -194,18 +213,30 @@ class CheckpointManager:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(left if left is not None else 1.0)
+                self._cond.wait(min(left, 1.0) if left is not None else 1.0)
             return self._last is not None and self._last.step >= self._last_step
 
     def close(self, timeout: float | None = 60.0) -> bool:
-        """Let the pending upload finish (up to timeout), then stop the thread. Idempotent."""
+        """Let the pending upload finish (up to timeout), then stop the uploader. Idempotent."""
         landed = self.wait(timeout)
         with self._cond:
             self._stopping = True
-            self._abort = not landed
+            proc, conn = self._proc, self._conn
+        if proc is not None:
+            try:
+                with self._send_lock:
+                    conn.send(("stop", not landed))
+            except (OSError, ValueError):
+                pass
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+        with self._cond:
+            if not landed and self._inflight is not None:
+                log.error("checkpoint_abandoned", job=self.job, step=self._inflight.step)
+            self._pending = self._inflight = None
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(5.0)
         return landed
 
     def __enter__(self) -> "CheckpointManager":
@@ -238,136 +269,151 @@ class CheckpointManager:
             out["mtbf_s"] = round(self.adaptive.mtbf_s(), 1)
         return out
 
-    # ---- background thread ------------------------------------------------------------------
+    # ---- handing jobs to the uploader ---------------------------------------------------------
     def _submit(self, job: _Job) -> None:
         with self._cond:
-            if self._stopping:
-                log.warning("checkpoint_after_close", job=self.job, step=job.step)
-                return
-            if self._pending is not None:
-                self._drop(self._pending, "a newer snapshot was taken")
             self._pending = job
-            self._cond.notify_all()
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name=f"ckpt-upload-{self.job}", daemon=True)
-                self._thread.start()
+            start = self._proc is None and not self._starting
+            self._starting |= start
+        if start:
+            threading.Thread(target=self._start_uploader, name=f"ckpt-uploader-start-{self.job}", daemon=True).start()
+        else:
+            self._send_pending()
 
-    def _drop(self, job: _Job, why: str) -> None:
+    def _send_pending(self) -> None:
+        """Send the pending snapshot if the uploader can take it: it is idle, or it is waiting
+        to retry a failed upload (which the newer snapshot then supersedes)."""
+        with self._cond:
+            job = self._pending
+            if job is None or self._conn is None or (self._inflight is not None and not self._retrying):
+                return
+            slot = self._slots.get(job.slot)
+            self._pending, self._inflight, self._retrying = None, job, False
+            self._slots.owner[job.slot] = job.job.id
+            self._cond.notify_all()
+        try:
+            with self._send_lock:
+                self._conn.send(("job", job.job, slot.buffers(), job.skeleton))
+        except (OSError, ValueError) as exc:
+            log.warning("checkpoint_uploader_unreachable", job=self.job, error=str(exc))
+
+    def _start_uploader(self) -> None:
+        from elasticyolo.checkpoint import uploader
+        from elasticyolo.checkpoint.shipping import dumps_portable
+        from elasticyolo.mp import helper_context
+
+        try:
+            ctx = helper_context()
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=uploader.main, name=f"elasticyolo-ckpt-{self.job}", daemon=True,
+                               args=(theirs, dumps_portable(self.store), self.job, self.options, self._serializer,
+                                     self.background_nice, dict(os.environ)))
+            proc.start()
+            theirs.close()
+        except Exception as exc:  # noqa: BLE001 - reported; the next checkpoint tries again
+            self.last_error = f"uploader: {type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+            log.error("checkpoint_uploader_start_failed", job=self.job, error=self.last_error)
+            with self._cond:
+                self._starting = False
+                if self._pending is not None:
+                    self._drop(self._pending.job, "the uploader did not start")
+                    self._pending = None
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._proc, self._conn, self._starting = proc, mine, False
+            stopping = self._stopping
+        if stopping:  # close() ran while it started
+            mine.send(("stop", True))
+            return
+        threading.Thread(target=self._receive, args=(proc, mine), name=f"ckpt-uploader-{self.job}",
+                         daemon=True).start()
+        self._send_pending()
+
+    # ---- what the uploader reports ------------------------------------------------------------
+    def _receive(self, proc: Any, conn: Any) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001 - a bad report must not kill the receiver
+                log.error("checkpoint_report_failed", job=self.job, report=str(msg)[:200], exc_info=True)
+        self._uploader_gone(proc)
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "log":
+            _, level, event, fields = msg
+            getattr(log, level)(event, **fields)
+            return
+        with self._cond:
+            if kind == "released":
+                for i, owner in enumerate(self._slots.owner):
+                    if owner == msg[1]:
+                        self._slots.owner[i] = None
+                if self._inflight is not None and self._inflight.job.id == msg[1]:
+                    self._inflight.released = True
+            elif kind == "failed":
+                _, job_id, error, attempts, delay, permanent = msg
+                self.failures += 1
+                self.last_error = error
+                self._m["upload_failures"].inc()
+                if self._inflight is not None and self._inflight.job.id == job_id:
+                    self._retrying = True
+                step = self._inflight.step if self._inflight is not None else None
+                (log.error if permanent else log.warning)(
+                    "checkpoint_upload_failed", job=self.job, step=step, attempt=attempts, retry_in_s=delay,
+                    error=error, permanent=permanent)
+            elif kind == "dropped":
+                _, job_id, why = msg
+                if self._inflight is not None and self._inflight.job.id == job_id:
+                    if why != "abandoned":
+                        self._drop(self._inflight.job, why)
+                    self._inflight = None
+                elif why != "abandoned":
+                    self.superseded += 1
+                    self._m["superseded"].inc()
+                    log.warning("checkpoint_superseded", job=self.job, why=why)
+            elif kind == "landed":
+                _, job_id, raw = msg
+                self.failures, self.last_error = 0, None
+                self._landed(Manifest.from_json(raw))
+                if self._inflight is not None and self._inflight.job.id == job_id:
+                    self._inflight = None
+            self._cond.notify_all()
+        if kind in ("failed", "dropped", "landed"):
+            self._send_pending()
+
+    def _uploader_gone(self, proc: Any) -> None:
+        """The uploader exited: after close() that is expected; otherwise it died (killed, out of
+        memory) and the snapshot it held is lost unless its slot was not read yet."""
+        proc.join(1.0)
+        with self._cond:
+            if self._proc is proc:
+                self._proc = self._conn = None
+            if self._stopping:
+                return
+            lost = self._inflight
+            self._inflight, self._retrying = None, False
+            self._slots.owner = [None, None]
+            if lost is not None:
+                self.last_error = f"uploader exited with {proc.exitcode}"
+                log.error("checkpoint_uploader_died", job=self.job, step=lost.step, exitcode=proc.exitcode)
+                if self._pending is None and not lost.released:
+                    self._pending = lost  # its slot still holds the snapshot: send it again
+            restart = self._pending is not None and not self._starting
+            self._starting |= restart
+            self._cond.notify_all()
+        if restart:
+            self._start_uploader()
+
+    def _drop(self, job: Job, why: str) -> None:
         self.superseded += 1
         self._m["superseded"].inc()
         log.warning("checkpoint_superseded", job=self.job, step=job.step, why=why)
-        _close_spool(job)
-
-    def _loop(self) -> None:
-        if self.background_nice:
-            try:  # Linux: per-thread nice, so pickling/hashing yields the CPU to training
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.background_nice)
-            except (AttributeError, OSError):
-                pass
-        while True:
-            with self._cond:
-                while self._pending is None and not self._stopping:
-                    self._cond.wait()
-                if self._pending is None:
-                    return
-                job, self._pending = self._pending, None
-                self._inflight = job
-            try:
-                self._run(job)
-            finally:
-                _close_spool(job)
-                with self._cond:
-                    self._inflight = None
-                    self._cond.notify_all()
-
-    def _run(self, job: _Job) -> None:
-        while True:
-            job.attempts += 1
-            t0 = time.perf_counter()
-            try:
-                manifest = self._upload(job, t0)
-            except Exception as exc:  # noqa: BLE001 - never let an upload error reach training
-                self.failures += 1
-                self.last_error = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
-                self._m["upload_failures"].inc()
-                delay = min(self.retry_max_s, self.retry_initial_s * 2 ** min(job.attempts - 1, 16))
-                delay *= 0.5 + random.random() / 2
-                # Permanent-looking errors (denied, no bucket) are still retried: roles and policies
-                # get fixed while training runs, but they are logged as errors.
-                permanent = not (is_transient(exc) or isinstance(exc, VerifyError))
-                (log.error if permanent else log.warning)(
-                    "checkpoint_upload_failed", job=self.job, step=job.step, attempt=job.attempts,
-                    retry_in_s=round(delay, 2), error=self.last_error, permanent=permanent)
-                with self._cond:
-                    end = time.monotonic() + delay
-                    while self._pending is None and not self._abort and time.monotonic() < end:
-                        self._cond.wait(end - time.monotonic())
-                    if self._pending is not None:
-                        self._drop(job, "upload failed and a newer snapshot is waiting")
-                        return
-                    if self._abort:
-                        log.error("checkpoint_abandoned", job=self.job, step=job.step, attempts=job.attempts)
-                        return
-                continue
-            self.failures, self.last_error = 0, None
-            self._landed(manifest)
-            return
-
-    def _upload(self, job: _Job, t0: float) -> Manifest:
-        if job.spool is None:  # serialize once; retries re-upload the same bytes
-            assert job.ckpt is not None
-            job.fields = _fields(job.ckpt)
-            spool = tempfile.SpooledTemporaryFile(max_size=self.spool_max_bytes, prefix="elasticyolo-ckpt-")
-            writer = _HashingWriter(spool)  # hash while writing: one pass over the bytes, not two
-            self._serialize(job.ckpt, writer)  # type: ignore[arg-type]
-            spool.flush()
-            job.sha256, job.size = writer.sha.hexdigest(), writer.size
-            job.spool, job.ckpt = spool, None  # drop the tensors: only the bytes are needed now
-        key = layout.object_key(self.job, job.name)
-        self.store.put_file(key, job.spool, job.size, metadata={"sha256": job.sha256, "step": str(job.step)})
-        self._verify(key, job)
-        f = job.fields
-        manifest = Manifest(
-            job=self.job, key=key, step=job.step, epoch=f.get("epoch", job.epoch), epoch_step=f.get("epoch_step", 0),
-            epoch_end=f.get("epoch_end", job.reason == "epoch_end"), world_size=f.get("world_size", 1),
-            policy=f.get("policy"), sha256=job.sha256, size=job.size, created=time.time(), reason=job.reason,
-            snapshot_s=round(job.snapshot_s, 6), upload_s=round(time.perf_counter() - t0, 4),
-            elasticyolo_version=ELASTICYOLO_VERSION, ultralytics_version=f.get("ultralytics_version", ""),
-            torch_version=f.get("torch_version", ""),
-        )
-        try:
-            self.store.put_bytes(manifest.manifest_key, manifest.to_json(), if_none_match=True,
-                                 content_type="application/json")
-        except PreconditionFailed:  # our own earlier attempt landed but its answer was lost
-            existing = Manifest.from_json(self.store.get_bytes(manifest.manifest_key))
-            if existing.sha256 != job.sha256:
-                raise VerifyError(f"{manifest.manifest_key} exists with another sha256") from None
-            manifest = existing
-        # Only now does "latest" move: the object is complete and verified, the manifest exists.
-        current = catalog.read_latest(self.store, self.job)
-        if current is not None and current.step > manifest.step and current.created > job.taken_at:
-            # Someone (a newer rank 0 after a resize) landed a newer checkpoint while we uploaded.
-            log.warning("checkpoint_latest_kept", job=self.job, step=manifest.step, latest_step=current.step)
-        else:
-            self.store.put_bytes(layout.latest_key(self.job), manifest.to_json(), content_type="application/json")
-        return manifest
-
-    def _verify(self, key: str, job: _Job) -> None:
-        info = self.store.head(key)
-        if info is None:
-            raise VerifyError(f"{key} is missing after upload")
-        if info.size != job.size:
-            raise VerifyError(f"{key} has {info.size} bytes, uploaded {job.size}")
-        if self.verify == "head":
-            if info.metadata.get("sha256") == job.sha256:
-                return  # size + our sha256 metadata; S3 checked the bytes with its own upload checksum
-            if not getattr(self.store, "supports_metadata", True):
-                return  # file://: written to a temp file, fsynced and renamed; the size is the check
-        with tempfile.SpooledTemporaryFile(max_size=self.spool_max_bytes) as back:
-            self.store.download(key, back)
-            sha, size = sha256_of(back)
-        if sha != job.sha256 or size != job.size:
-            raise VerifyError(f"{key} reads back with sha256 {sha[:12]}.., expected {job.sha256[:12]}..")
 
     def _landed(self, manifest: Manifest) -> None:
         self._last = manifest
@@ -382,36 +428,3 @@ class CheckpointManager:
         log.info("checkpoint_saved", job=self.job, step=manifest.step, epoch=manifest.epoch, size=manifest.size,
                  snapshot_s=round(manifest.snapshot_s, 4), upload_s=manifest.upload_s, reason=manifest.reason,
                  key=manifest.key)
-        try:
-            catalog.prune(self.store, self.job, keep_last=self.keep_last, keep_epochs=self.keep_epochs,
-                          orphan_grace_s=self.orphan_grace_s)
-        except (Exception, NotFound) as exc:  # noqa: BLE001 - retention is best effort
-            log.warning("checkpoint_prune_failed", job=self.job, error=f"{type(exc).__name__}: {exc}"[:300])
-
-
-class _HashingWriter:
-    """The write side of a file that hashes and counts what passes through."""
-
-    def __init__(self, out: IO[bytes]) -> None:
-        self.out, self.sha, self.size = out, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.out.write(data)
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def tell(self) -> int:
-        return self.size
-
-
-def _close_spool(job: _Job) -> None:
-    if job.spool is not None:
-        try:
-            job.spool.close()
-        except OSError:
-            pass
-        job.spool = None
-    job.ckpt = None

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 from elasticyolo.checkpoint import catalog
 from elasticyolo.checkpoint.layout import Manifest
-from elasticyolo.checkpoint.manager import sha256_of
+from elasticyolo.checkpoint.hashing import sha256_of
 from elasticyolo.checkpoint.stores import NotFound, Store
 from elasticyolo.checkpoint.stores.retry import is_transient
 from elasticyolo.errors import UnavailableError

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.progress_jsonl:
         sinks.append(JsonLines(args.progress_jsonl))
     summary = TrainingLoop(core, hooks=LocalHooks(core, checkpointer), sinks=sinks).run()
+    core.close()
     if bar:
         bar.close()
     if checkpointer.enabled and not checkpointer.save_now(core, reason="final"):

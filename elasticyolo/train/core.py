@@ -14,11 +14,12 @@ warmup are functions of (epoch, fraction of epoch done), so they do not depend o
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import elasticyolo.train  # noqa: F401  (offline environment before Ultralytics loads)
 import numpy as np
@@ -28,6 +29,8 @@ from torch import nn
 from elasticyolo.data.yaml_check import load_data_yaml
 from elasticyolo.models import require_model
 from elasticyolo.spec import TrainSpec
+from elasticyolo.train.loader import BatchLoader, Request, loader_workers
+from elasticyolo.train.loader_worker import CLOSED_MOSAIC
 from elasticyolo.train.offline import disable_ultralytics_network
 from elasticyolo.train.policy import Scaling, resize_ramp, scaling_for
 from elasticyolo.train.sampler import ElasticSampler
@@ -79,10 +82,25 @@ def build_model(spec: TrainSpec, nc: int, names: dict[int, str]) -> DetectionMod
 
 @dataclass
 class StepResult:
-    loss: float  # mean per-image total loss of this rank's micro-batches
+    loss_sum: torch.Tensor | float  # summed total loss of this rank's micro-batches, kept on the device
     images: int  # images this rank trained in the step
     micro_batches: int
     seconds: float
+
+    @property
+    def loss(self) -> float:
+        """Mean per-image loss. Reading it waits for the device: the loop does so once per step,
+        never per micro-batch."""
+        return float(self.loss_sum) / max(self.images, 1)
+
+
+def local_size(spec: TrainSpec) -> int:
+    """Training processes on this node: from the engine's environment, else the spec's slots (a
+    pre-warmed process builds its core before it knows its engine environment)."""
+    for name in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return spec.slots
 
 
 @dataclass
@@ -114,6 +132,10 @@ class TrainCore:
     ) -> None:
         self.spec = spec
         self.rank, self.world, self.local_rank = rank, world, local_rank
+        if loader_workers(spec.workers, local_size(spec)) > 0:
+            from elasticyolo.mp import start_fork_server
+
+            start_fork_server()  # its imports overlap with building the model and datasets
         self.grad_allreduce = grad_allreduce
         self.device = pick_device(spec, local_rank)
         if self.device.type == "cuda":
@@ -132,7 +154,13 @@ class TrainCore:
 
         self.train_set = build_yolo_dataset(self.hyp, self.data["train"], spec.batch, self.data, mode="train",
                                             stride=self.stride)
+        # Built up front when validation is on, so the loader's processes hold it too.
+        self.val_set: Any = self._build_val_set() if spec.val else None
         self.sampler = ElasticSampler(len(self.train_set), spec.batch, seed=spec.seed)
+        datasets = {"train": self.train_set, **({"val": self.val_set} if self.val_set is not None else {})}
+        self.loader = BatchLoader(datasets, self.hyp, loader_workers(spec.workers, local_size(spec)),
+                                  device=self.device, seed=spec.seed)  # + each request's key: see BatchBuilder
+        self._val_runs = 0
         self.amp = bool(spec.amp and self.device.type == "cuda")
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
 
@@ -153,9 +181,7 @@ class TrainCore:
         self.ema = ModelEMA(self.model)
         self.progress = Progress(optimizer_name=type(self.optimizer).__name__, lr0=self.optimizer.param_groups[0]["initial_lr"])
         self.scaling: Scaling = base
-        self._mosaic_closed = False
         self.set_world(world, rank)
-        self._val_loader: Any = None
 
     # ---- world size and policy -------------------------------------------------------------
     def _decay(self, scaling: Scaling) -> float:
@@ -217,24 +243,47 @@ class TrainCore:
         return self.optimizer.param_groups[0]["lr"], acc
 
     # ---- data ------------------------------------------------------------------------------
-    def begin_epoch(self) -> None:
-        """Idempotent per-epoch setup (safe to call again after a rollback)."""
-        if not self._mosaic_closed and self.progress.epoch >= self.spec.epochs - self.spec.close_mosaic:
-            self.train_set.close_mosaic(self.hyp)
-            self._mosaic_closed = True
+    def _build_val_set(self) -> Any:
+        # As Ultralytics' validator builds it: rect batches of 2 x batch.
+        return build_yolo_dataset(self.hyp, self.data["val"], self.spec.batch * 2, self.data, mode="val",
+                                  stride=self.stride)
+
+    def mosaic_closed(self, epoch: int) -> bool:
+        """Ultralytics closes mosaic for the last `close_mosaic` epochs."""
+        return epoch >= self.spec.epochs - self.spec.close_mosaic
+
+    def _train_plan(self, epoch: int, start: int) -> Iterator[Request]:
+        """The loader's requests from (epoch, start) on, for this rank and world."""
+        rank, world = self.rank, self.world
+        for shard in self.sampler.plan(rank, world, epoch, start, self.spec.epochs):
+            yield Request((shard.epoch, shard.start, world, rank), "train", tuple(shard.indices),
+                          CLOSED_MOSAIC if self.mosaic_closed(shard.epoch) else "")
 
     def load_batch(self, indices: Sequence[int]) -> dict[str, Any] | None:
-        if not indices:
-            return None
-        return self.train_set.collate_fn([self.train_set[i] for i in indices])
+        """The batch of this rank's shard at the sampler's position (prefetched by the loader)."""
+        epoch, start = self.sampler.state.epoch, self.sampler.state.consumed
+        batch = self.loader.get("train", (epoch, start, self.world, self.rank), lambda: self._train_plan(epoch, start))
+        if batch is not None and batch["indices"] != list(indices):
+            raise RuntimeError(f"loader returned samples {batch['indices'][:4]}... for shard {list(indices)[:4]}...")
+        return batch
+
+    @property
+    def data_wait_s(self) -> float:
+        """Seconds the training steps spent obtaining batches (waiting for the loader or building them)."""
+        return self.loader.stats.wait_s.get("train", 0.0)
 
     def preprocess(self, batch: dict[str, Any]) -> dict[str, Any]:
+        # Pinned batches (CUDA, workers > 0) copy asynchronously; nothing here waits for the device.
         non_blocking = self.device.type == "cuda"
         for k, v in batch.items():
             if isinstance(v, torch.Tensor):
                 batch[k] = v.to(self.device, non_blocking=non_blocking)
-        batch["img"] = batch["img"].float() / 255
+        batch["img"] = batch["img"].float().div_(255)
         return batch
+
+    def close(self) -> None:
+        """Stop the loader's processes (they also stop when this process exits)."""
+        self.loader.close()
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self, before_sync: Callable[[list[int], "StepResult"], None] | None = None) -> StepResult:
@@ -245,15 +294,15 @@ class TrainCore:
         all-reduce: a step whose all-reduce completed anywhere has been reported by every rank."""
         t0 = time.perf_counter()
         self.model.train()
-        self.begin_epoch()
         _, acc = self.apply_schedule()
-        total_loss, images, micro = 0.0, 0, 0
+        loss_sum = torch.zeros((), device=self.device)  # stays on the device: no sync per micro-batch
+        images, micro = 0, 0
         step_indices: list[int] = []
         while micro < acc and not self.sampler.epoch_done():
             indices = self.sampler.shard(self.rank, self.world)
-            step_indices.extend(indices)
             batch = self.load_batch(indices)
             if batch is not None:
+                step_indices.extend(batch["indices"])  # what was really loaded, for the trace
                 batch = self.preprocess(batch)
                 with torch.autocast(self.device.type, enabled=self.amp):
                     loss, items = self.model(batch)
@@ -261,18 +310,18 @@ class TrainCore:
                     # makes the averaging all-reduce a sum over the global batch, as with its DDP.
                     loss = loss.sum() * self.world
                 self.scaler.scale(loss).backward()
-                total_loss += float(loss.detach()) / self.world
+                loss_sum += loss.detach().float() / self.world
                 images += len(indices)
             self.sampler.advance(self.world)
             micro += 1
         if before_sync is not None:
-            before_sync(step_indices, StepResult(total_loss / max(images, 1), images, micro, time.perf_counter() - t0))
+            before_sync(step_indices, StepResult(loss_sum, images, micro, time.perf_counter() - t0))
         self._optimizer_step()
         p = self.progress
         p.step += 1
         p.steps_since_resize += 1
         p.consumed = self.sampler.state.consumed
-        return StepResult(total_loss / max(images, 1), images, micro, time.perf_counter() - t0)
+        return StepResult(loss_sum, images, micro, time.perf_counter() - t0)
 
     def _optimizer_step(self) -> None:
         grads = []
@@ -311,11 +360,11 @@ class TrainCore:
                  gather: Callable[[Any], list[Any]] | None = None) -> dict[str, float]:
         """mAP50 and mAP50-95 of the EMA model on the val split.
 
-        With `gather` (an all-gather of a Python object across the world), every rank validates a
-        strided shard of the val images and the match statistics are merged, so the whole world
+        With `gather` (an all-gather of a Python object across the world), every rank validates its
+        share of the val batches and the match statistics are merged, so the whole world
         validates together: no rank sits in a collective while rank 0 validates alone (that wait
         can outlast Gloo's timeout). Ultralytics' own DDP gather path expects torch.distributed,
-        so the validator is driven batch by batch here."""
+        so the validator is driven batch by batch here, with batches from the parallel loader."""
         from ultralytics.models.yolo.detect import DetectionValidator
 
         model = model or self.ema.ema
@@ -326,19 +375,23 @@ class TrainCore:
         validator.training = False
         validator.stride = self.stride
         validator.names = self.data["names"]
-        if self._val_loader is None:
-            self._val_loader = validator.get_dataloader(self.data["val"], self.spec.batch * 2)
-        validator.dataloader = self._val_loader
-        dataset = self._val_loader.dataset
-        rank, world = (self.rank, self.world) if gather is not None else (0, 1)
-        mine = list(range(rank, len(dataset), world))
+        if self.val_set is None:  # validation was off at start: build it here, load it in this process
+            self.val_set = self._build_val_set()
+            self.loader.add_local("val", self.val_set)
+        dataset = self.val_set
         bs = self.spec.batch * 2
+        validator.dataloader = SimpleNamespace(dataset=dataset, sampler=range(len(dataset)), batch_size=bs)
+        rank, world = (self.rank, self.world) if gather is not None else (0, 1)
+        self._val_runs += 1
+        mine = [Request(("val", self._val_runs, lo), "val", tuple(range(lo, hi)))
+                for lo, hi in val_batches(len(dataset), bs, rank, world)]
         was_training = model.training
         model.eval()
         validator.init_metrics(model)
         with torch.inference_mode():
-            for i in range(0, len(mine), bs):
-                batch = dataset.collate_fn([dataset[j] for j in mine[i:i + bs]])
+            for i, req in enumerate(mine):
+                batch = self.loader.get("val", req.key, lambda i=i: iter(mine[i:]))
+                assert batch is not None
                 batch = validator.preprocess(batch)
                 batch["img"] = batch["img"].float()
                 preds = model(batch["img"])
@@ -358,6 +411,21 @@ class TrainCore:
             "precision": float(stats.get("metrics/precision(B)", 0.0)),
             "recall": float(stats.get("metrics/recall(B)", 0.0)),
         }
+
+
+def val_batches(n: int, bs: int, rank: int, world: int) -> list[tuple[int, int]]:
+    """Rank `rank`'s validation batches as [lo, hi) ranges: a contiguous, balanced share of the
+    (aspect-ratio sorted) val set, cut at Ultralytics' rect batch boundaries so the images of one
+    batch share a letterbox shape."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    hi = lo + base + (1 if rank < extra else 0)
+    out = []
+    while lo < hi:
+        end = min(hi, (lo // bs + 1) * bs)
+        out.append((lo, end))
+        lo = end
+    return out
 
 
 def quiet_ultralytics() -> None:

@@ -83,6 +83,15 @@ class TrainingLoop:
         self._images = 0
         self._window: list[StepResult] = []
         self.last_metrics: dict[str, float] = {}
+        if self.trace.enabled:
+            core.loader.on_replan = self._trace_replan
+
+    def _trace_replan(self, stream: str, old: Any, new: Any, dropped: int) -> None:
+        """The loader restarted its plan (a reset, rollback, resize or restore): `dropped`
+        prefetched batches of the old plan were discarded unused."""
+        if stream == "train":
+            self.trace.write("replan", rank=self.core.rank, world=self.core.world, old=old, new=new,
+                             dropped=dropped)
 
     def _emit(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -98,6 +107,8 @@ class TrainingLoop:
     def run(self) -> Summary:
         core = self.core
         t0 = time.perf_counter()
+        self.trace.write("loader", rank=core.rank, world=core.world, workers=core.loader.workers,
+                         ready=core.loader.ready)
         commit_every = max(self.hooks.commit_every(core), 0)
         while not core.finished:
             epoch, start = core.progress.epoch, core.sampler.state.consumed

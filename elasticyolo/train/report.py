@@ -8,14 +8,16 @@ from typing import Any, TextIO
 
 
 class ProgressBar:
-    """tqdm bar over the whole run (epochs x samples), only on a terminal."""
+    """A progress bar over the whole run (epochs x samples), only on a terminal: Ultralytics' own
+    TQDM (the `tqdm` package is not a dependency of Ultralytics 8.4, nor ours)."""
 
     def __init__(self, total_epochs: int, num_samples: int, stream: TextIO | None = None) -> None:
-        from tqdm import tqdm
+        from ultralytics.utils import TQDM
 
         self.stream = stream or sys.stderr
         self.num_samples = num_samples
-        self.bar = tqdm(total=total_epochs * num_samples, unit="img", file=self.stream, dynamic_ncols=True)
+        # disable=False: Ultralytics hides its bars when its logger is quiet, as ours is.
+        self.bar = TQDM(total=total_epochs * num_samples, unit="img", file=self.stream, disable=False)
 
     def __call__(self, rec: dict[str, Any]) -> None:
         if rec.get("kind") != "step":
@@ -25,7 +27,7 @@ class ProgressBar:
         desc = f"epoch {min(rec['epoch'] + 1, rec['epochs'])}/{rec['epochs']} loss {rec['loss']:.3f} lr {rec['lr']:.2e}"
         if rec.get("metrics"):
             desc += f" mAP50-95 {rec['metrics']['mAP50-95']:.3f}"
-        self.bar.set_description(desc, refresh=False)
+        self.bar.set_description(desc)
 
     def close(self) -> None:
         self.bar.close()

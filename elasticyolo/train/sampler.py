@@ -7,7 +7,7 @@ and splits them into `world` contiguous shards (sizes differ by at most one), so
   exactly once;
 - re-sharding to a new world size only changes how the remaining suffix is split.
 A shard can be empty on the very last step of an epoch when fewer samples than ranks remain;
-that rank contributes zero gradients to that step (see `TrainCore.null_step`).
+that rank contributes zero gradients to that step (see `TrainCore._optimizer_step`).
 
 Pure Python (no torch) so the invariants are unit-testable.
 """
@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
+
+
+class Shard(NamedTuple):
+    """One rank's part of one global micro-step: where it starts in the epoch and what it trains."""
+
+    epoch: int
+    start: int  # position in the epoch's permutation where the global micro-step starts
+    indices: list[int]
 
 
 @dataclass
@@ -37,17 +45,19 @@ class ElasticSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.state = SamplerState()
-        self._perm_epoch: int | None = None
-        self._perm: list[int] = []
+        self._perms: dict[int, list[int]] = {}  # the few epochs in use (current, and the next one prefetched)
 
     # ---- the epoch permutation -----------------------------------------------------------
     def permutation(self, epoch: int) -> list[int]:
-        if self._perm_epoch != epoch:
+        perm = self._perms.get(epoch)
+        if perm is None:
             perm = list(range(self.num_samples))
             if self.shuffle:
                 random.Random(self.seed * 100_003 + epoch).shuffle(perm)
-            self._perm, self._perm_epoch = perm, epoch
-        return self._perm
+            if len(self._perms) >= 3:
+                del self._perms[next(iter(self._perms))]  # the oldest one computed
+            self._perms[epoch] = perm
+        return perm
 
     # ---- stepping ------------------------------------------------------------------------
     def remaining(self) -> int:
@@ -61,15 +71,16 @@ class ElasticSampler:
         """How many positions the next global step consumes."""
         return min(world * self.batch, self.remaining())
 
-    def shard(self, rank: int, world: int, start: int | None = None) -> list[int]:
+    def shard(self, rank: int, world: int, start: int | None = None, epoch: int | None = None) -> list[int]:
         """Dataset indices rank `rank` trains in the global step starting at position `start`
-        (default: the current `consumed`)."""
+        (default: the current `consumed`) of `epoch` (default: the current one)."""
         start = self.state.consumed if start is None else start
+        epoch = self.state.epoch if epoch is None else epoch
         span = min(world * self.batch, self.num_samples - start)
         base, extra = divmod(span, world)
         lo = start + rank * base + min(rank, extra)
         hi = lo + base + (1 if rank < extra else 0)
-        return self.permutation(self.state.epoch)[lo:hi]
+        return self.permutation(epoch)[lo:hi]
 
     def advance(self, world: int) -> None:
         """Mark the current global step as trained."""
@@ -81,12 +92,16 @@ class ElasticSampler:
     def next_epoch(self) -> None:
         self.state = SamplerState(epoch=self.state.epoch + 1, consumed=0)
 
-    def iter_shards(self, rank: int, world: int) -> Iterator[list[int]]:
-        """Shards for the rest of this epoch at a fixed world size (does not advance)."""
-        pos = self.state.consumed
-        while pos < self.num_samples:
-            yield self.shard(rank, world, pos)
-            pos += min(world * self.batch, self.num_samples - pos)
+    def plan(self, rank: int, world: int, epoch: int, consumed: int, end_epoch: int) -> Iterator[Shard]:
+        """What rank `rank` will train from (epoch, consumed) on if the world stays `world`: this
+        epoch's remaining micro-steps, then whole epochs up to `end_epoch` (exclusive). A data
+        loader prefetches along it; any change of position or world starts a new plan."""
+        e, pos = epoch, consumed
+        while e < end_epoch:
+            while pos < self.num_samples:
+                yield Shard(e, pos, self.shard(rank, world, pos, e))
+                pos += min(world * self.batch, self.num_samples - pos)
+            e, pos = e + 1, 0
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:

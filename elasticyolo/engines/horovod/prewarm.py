@@ -128,6 +128,7 @@ def serve(spec: Any, slot: int, train: Callable[[Any], int]) -> int:
 
     quiet_ultralytics()
     core = TrainCore(spec, rank=0, world=1, local_rank=slot)
+    core.loader.wait_ready(timeout=300)  # loader processes up before the slot is offered
     print(READY_LINE, flush=True)
     line = sys.stdin.readline()
     if not line:

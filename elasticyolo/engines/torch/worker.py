@@ -172,6 +172,7 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
                   f"seconds={summary.seconds:.1f}", flush=True)
         return summary
     finally:
+        core.close()
         if snapshots is not None:
             snapshots.close()
         checkpointer.close(timeout=30)

@@ -1,0 +1,67 @@
+"""Faults for the checkpoint manager's tests. They run inside the uploader process, so they
+live in the package (importable there by name) and take their cues from files, not from
+objects shared with the test."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import IO, Any, Mapping
+
+from elasticyolo.checkpoint.stores.file import FileStore
+
+
+class GatedSerializer:
+    """torch.save, once the gate file exists (so a test can hold an upload in flight)."""
+
+    def __init__(self, gate: str | Path, timeout: float = 30.0) -> None:
+        self.gate, self.timeout = str(gate), timeout
+
+    def __call__(self, ckpt: Mapping[str, Any], out: IO[bytes]) -> None:
+        import torch
+
+        deadline = time.monotonic() + self.timeout
+        while not Path(self.gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        torch.save(dict(ckpt), out)
+
+
+class TruncatingStore(FileStore):
+    """Writes half the object while the counter file says uploads are bad (a half-written
+    checkpoint), counting it down by one each time."""
+
+    def __init__(self, root: Path, counter: Path) -> None:
+        super().__init__(f"file://{root}", str(root))
+        self.counter = str(counter)
+
+    def set_bad(self, n: int) -> None:
+        Path(self.counter).write_text(str(n))
+
+    def put_file(self, key: str, fileobj: Any, size: int, *, metadata: dict[str, str] | None = None) -> None:
+        p = Path(self.counter)
+        bad = int(p.read_text()) if p.exists() else 0
+        if bad > 0:
+            p.write_text(str(bad - 1))
+            fileobj.seek(0)
+            self.put_bytes(key, fileobj.read(size // 2))
+            return
+        super().put_file(key, fileobj, size, metadata=metadata)
+
+
+class RecordingSerializer(GatedSerializer):
+    """The production serializer, behind a gate, writing the id of the process it runs in."""
+
+    def __init__(self, gate: str | Path, record: str | Path, timeout: float = 60.0) -> None:
+        super().__init__(gate, timeout)
+        self.record = str(record)
+
+    def __call__(self, ckpt: Mapping[str, Any], out: IO[bytes]) -> None:
+        import os
+
+        from elasticyolo.checkpoint.format import serialize
+
+        Path(self.record).write_text(str(os.getpid()))
+        deadline = time.monotonic() + self.timeout
+        while not Path(self.gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        serialize(ckpt, out)
