@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from elasticyolo.train.core import StepResult, TrainCore
+from elasticyolo.train.fitness import should_stop
 
 ProgressSink = Callable[[dict[str, Any]], None]
 
@@ -130,11 +131,15 @@ class TrainingLoop:
                 # Every rank validates its shard together (see TrainCore.validate).
                 self.last_metrics = core.validate(gather=getattr(self.hooks, "gather", None))
                 core.progress.history.append({"epoch": epoch, **self.last_metrics})
+                # Same history on every rank (validation is gathered): the same decision everywhere.
+                core.progress.stopped = should_stop(core.progress.history, core.spec.patience)
             self._emit({
                 "kind": "step", "epoch": core.progress.epoch, "epochs": core.spec.epochs, "step": core.progress.step,
                 "consumed": core.sampler.state.consumed, "num_samples": core.sampler.num_samples,
                 "world_size": core.world, "rank": core.rank, "loss": result.loss, "lr": lr,
                 "lr_scale": core.progress.lr_scale, "accumulate": result.micro_batches,
+                "loss_items": result.loss_item_means(), "lrs": [g["lr"] for g in core.optimizer.param_groups],
+                "stopped": core.progress.stopped,
                 "samples_per_s": self._throughput(result), "epoch_ended": epoch_ended, **(
                     {"metrics": self.last_metrics} if epoch_ended else {}),
             })
