@@ -415,8 +415,9 @@ class TrainCore:
         n_batches = len(mine)
         if gather is not None and world > 1:
             merged: dict[str, list[Any]] = {k: [] for k in validator.metrics.stats}
+            parts = gather((validator.metrics.stats, loss_sums, len(mine)))
             loss_sums, n_batches = {}, 0
-            for part, part_losses, part_batches in gather((validator.metrics.stats, loss_sums, len(mine))):
+            for part, part_losses, part_batches in parts:
                 for k, v in part.items():
                     merged[k].extend(v)
                 for k, v in part_losses.items():
