@@ -124,6 +124,7 @@ class Progress:
     optimizer_name: str = ""
     lr0: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)  # per-epoch metrics
+    seconds: float = 0.0  # training + validation seconds of the committed work (results.csv "time")
     stopped: bool = False  # early stop (`patience` epochs without a better fitness)
 
 
