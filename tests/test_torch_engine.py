@@ -7,6 +7,7 @@ to the end with a checkpoint store and a resubmission resumes from the store, an
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from elasticyolo.testing.agents import AgentProcess  # noqa: E402
+from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess  # noqa: E402
 from elasticyolo.cluster.etcd import EtcdClient  # noqa: E402
 from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402
@@ -194,6 +195,15 @@ def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, jo
     final = max(e["step"] for e in job.events("done"))
     manifests = list_manifests(open_store(store_uri), job_name)
     assert manifests and manifests[-1].step == final
+    # Ultralytics' run folder, published next to the checkpoints by rank 0.
+    run_dir = tmp_path / "ckpt" / job_name / "run"
+    assert (run_dir / "results.csv").read_text().splitlines()[0].startswith("epoch,time,train/box_loss,")
+    assert len((run_dir / "results.csv").read_text().splitlines()) == 3  # header + 2 epochs
+    assert {"args.yaml", "results.png"} <= {p.name for p in run_dir.iterdir()}
+    best = tmp_path / "best.pt"
+    r = subprocess.run([ELASTICYOLO, "checkpoints", "download", "--best", "--job", job_name, "--store", store_uri,
+                        "-o", str(best)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and best.stat().st_size == (run_dir / "weights" / "best.pt").stat().st_size, r.stderr
 
     # A new submission of the same job (one more epoch) gets a new rendezvous and a new local
     # snapshot directory: the newest state is the store's.
@@ -204,6 +214,8 @@ def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, jo
     resume = [e for e in job.events("resume") if e["t"] > t_resubmit][0]
     assert (resume["source"], resume["step"], resume["epoch"], resume["consumed"]) == ("store", final, 2, 0), resume
     assert all(e["epoch"] == 2 for e in job.events("step") if e["t"] > t_resubmit)
+    # The resumed run continues the same results.csv (its rows come from the checkpointed history).
+    assert [line.split(",")[0] for line in (run_dir / "results.csv").read_text().splitlines()[1:]] == ["1", "2", "3"]
 
 
 def test_etcd_member_sigkilled_mid_training(etcd_cluster3, job_name, dataset, jobs) -> None:

@@ -119,8 +119,8 @@ class RunFolder:
         _atomic_write(self.csv, results_csv(history).encode())
         self._save_weights(self.core, self.last_pt)
         best = best_epoch(history)
-        improved = best is None or best[0] == int(history[-1]["epoch"]) or not self.best_pt.exists()
-        if improved:
+        improved = best is None or best[0] == int(history[-1]["epoch"])  # this epoch is the best so far
+        if improved or not self.best_pt.exists():
             _copy(self.last_pt, self.best_pt)
         finished = int(history[-1]["epoch"]) + 1
         if self.spec.save_period > 0 and finished % self.spec.save_period == 0:
