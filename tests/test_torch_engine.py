@@ -204,6 +204,17 @@ def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, jo
     r = subprocess.run([ELASTICYOLO, "checkpoints", "download", "--best", "--job", job_name, "--store", store_uri,
                         "-o", str(best)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and best.stat().st_size == (run_dir / "weights" / "best.pt").stat().st_size, r.stderr
+    assert (run_dir / "timeline.png").stat().st_size > 0  # drawn by rank 0 at the job's end
+    out = tmp_path / "timeline.png"
+    r = subprocess.run([ELASTICYOLO, "report", "--job", job_name, "--etcd", etcd_server.endpoints, "--store",
+                        store_uri, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint" in r.stdout and "join" in r.stdout and "leader" in r.stdout, r.stdout
+    from PIL import Image
+
+    with Image.open(out) as im:
+        im.load()
+        assert im.size == (1200, 900)
 
     # A new submission of the same job (one more epoch) gets a new rendezvous and a new local
     # snapshot directory: the newest state is the store's.

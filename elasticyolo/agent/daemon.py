@@ -371,6 +371,7 @@ class Agent:
         self.metrics.leader_term.set(self.election.term)
         if now and not was:
             self.record.leader = True
+            self.write_event("leader", term=self.election.term)  # for the timeline (elasticyolo report)
             self._call_plugins("on_become_leader", self.election.term)
         elif was and not now:
             self._lost_leadership("resigned or deposed")

@@ -1,7 +1,7 @@
 """`elasticyolo train key=value ...`: train in this process (single node, no etcd).
 
 Writes Ultralytics' run folder (`project/name/`: args.yaml, results.csv, results.png,
-weights/last.pt and best.pt); `resume=true` or `resume=PATH/last.pt` continues a run from its
+weights/last.pt and best.pt, and timeline/ + timeline.png as `elasticyolo report` draws it); `resume=true` or `resume=PATH/last.pt` continues a run from its
 last.pt with the options in its args.yaml (the command line's override them)."""
 
 from __future__ import annotations
@@ -114,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
         core.set_world(1, 0)
         print(f"resumed from checkpoint: epoch={core.progress.epoch} step={core.progress.step}", file=sys.stderr)
     folder = RunFolder(save_dir, core, {"job": args.job, **spec.model_dump(mode="json")})
-    sinks: list[Any] = [folder]
+    from elasticyolo.train.timeline import TimelineSink
+
+    timeline = TimelineSink(save_dir)
+    sinks: list[Any] = [timeline, folder]
     bar = ProgressBar(spec.epochs, core.sampler.num_samples) if sys.stderr.isatty() else None
     if bar:
         sinks.append(bar)
@@ -132,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
 
         save_checkpoint_file(core, args.save)
     folder.plot()
+    timeline.close()
+    from elasticyolo.report import gather, render
+
+    render(gather(args.job, run_dir=save_dir), save_dir / "timeline.png", title=f"{save_dir}")
     m = summary.metrics
     stopped = f" (stopped early: no better fitness in {spec.patience} epochs)" if core.progress.stopped else ""
     print(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from elasticyolo.checkpoint.layout import run_key
 from elasticyolo.log import get_logger
 from elasticyolo.train.run_folder import RunFolder
+from elasticyolo.train.timeline import TimelineSink
 
 if TYPE_CHECKING:
     from elasticyolo.train.core import TrainCore
@@ -75,6 +76,7 @@ class ClusterRunFolder:
         self.publisher = RunPublisher(store, job) if store is not None else None
         self.root = root
         self.folder: RunFolder | None = None
+        self.timeline: TimelineSink | None = None
 
     def sinks(self) -> list[Any]:
         """[] unless this process holds rank 0 now."""
@@ -83,8 +85,15 @@ class ClusterRunFolder:
         if self.folder is None:
             self.folder = RunFolder(self.root / self.job, self.core,
                                     {"job": self.job, **self.core.spec.model_dump(mode="json")},
-                                    on_epoch=self.publisher.on_epoch if self.publisher else None)
-        return [self.folder]
+                                    on_epoch=self._on_epoch)
+            self.timeline = TimelineSink(self.folder.dir)
+        return [self.timeline, self.folder]
+
+    def _on_epoch(self, folder: RunFolder, improved: bool) -> None:
+        if self.publisher is not None:
+            self.publisher.on_epoch(folder, improved)
+            if self.timeline is not None:
+                self.publisher.upload(self.timeline.path, f"timeline/{self.timeline.path.name}")
 
     def finish(self) -> None:
         """At the job's end on rank 0: results.png, and every upload landed."""
@@ -94,5 +103,27 @@ class ClusterRunFolder:
             self.folder.plot()
         except Exception as exc:  # noqa: BLE001 - a plot must not fail a finished job
             log.warning("results.png not written", error=str(exc))
+        extra: list[Path] = []
+        if self.timeline is not None:
+            self.timeline.close()
+            if self.publisher is not None:
+                self.publisher.upload(self.timeline.path, f"timeline/{self.timeline.path.name}")
+            png = write_timeline(self.folder.dir, self.job, self.publisher.store if self.publisher else None)
+            extra += [png] if png else []
         if self.publisher is not None:
-            self.publisher.finish(self.folder)
+            self.publisher.finish(self.folder, extra)
+
+
+def write_timeline(run_dir: Path, job: str, store: Any | None = None) -> Path | None:
+    """timeline.png of the run at its end (the job's event log too when this process can reach etcd)."""
+    from elasticyolo.engines import worker_env
+    from elasticyolo.report import gather, render
+
+    try:
+        found = worker_env.read().etcd_client(timeout=2.0)
+        client, keys = found if found is not None else (None, None)
+        tl = gather(job, run_dir=run_dir, store=store, client=client, keys=keys)
+        return render(tl, run_dir / "timeline.png", title=f"job {job}")
+    except Exception as exc:  # noqa: BLE001 - a plot must not fail a finished job
+        log.warning("timeline.png not written", error=str(exc))
+        return None
