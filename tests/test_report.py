@@ -19,11 +19,12 @@ def test_marks_kills_and_png(tmp_path: Path) -> None:
     assert [e["kind"] for e in events] == ["join", "leader", "notice", "drain", "leave"]
     series = parse_series([
         '{"t": 100, "world": 3, "samples_s": 30, "loss": 2.0}\n{"t": 155, "world": 2, "samples_s": 20, "loss": 1.5}\n',
-        '{"t": 200, "world": 1, "samples_s": 10, "loss": 1.2, "mAP50-95": 0.1}\ncut off li',
+        '{"t": 250, "world": 2, "samples_s": 20, "loss": 1.3}\n{"t": 300, "world": 1, "samples_s": 10, "loss": 1.2, '
+        '"mAP50-95": 0.1}\ncut off li',
     ])
-    assert [r["world"] for r in series] == [3, 2, 1]
+    assert [r["world"] for r in series] == [3, 2, 2, 1]
     kills = inferred_kills(series, events)  # 3 -> 2 follows b's notice; 2 -> 1 has no explanation
-    assert [(k["t"], k["detail"]) for k in kills] == [(155, "world 2 -> 1")]
+    assert [(k["t"], k["detail"]) for k in kills] == [(250, "world 2 -> 1")]
     out = render(Timeline(series, sorted(events + kills, key=lambda e: e["t"])), tmp_path / "t.png", title="j")
     from PIL import Image
 
