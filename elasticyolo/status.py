@@ -18,7 +18,7 @@ from elasticyolo.cluster.keys import JobKeys
 
 _SINGLE_KEYS = ("leader", "spec", "state", "world", "progress", "checkpoint_latest")
 # Drain-related events shown by status (the newest EVENTS_SHOWN of the job's event log).
-EVENT_KINDS = ("notice", "drain_start", "drain_end")
+EVENT_KINDS = ("notice", "drain_start", "drain_end", "cost")
 EVENTS_SCANNED, EVENTS_SHOWN = 50, 8
 
 
@@ -241,6 +241,8 @@ def _event_text(ev: dict[str, Any]) -> str:
     if kind == "notice":
         what = f"{ev.get('provider')} {ev.get('notice_kind')} notice"
         detail = f"drain={'yes' if ev.get('drain') else 'no'}, {ev.get('seconds_left')}s left"
+    elif kind == "cost":
+        return f"{at}  {ev.get('node')}  job ended: {ev.get('summary')}"
     elif kind == "drain_start":
         what, detail = "drain started", f"{ev.get('reason')}, deadline in {ev.get('deadline_in_s')}s"
     else:

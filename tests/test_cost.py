@@ -124,3 +124,22 @@ def test_live_cost_and_goodput_in_status_and_metrics(etcd_server: EtcdCluster, j
     assert m["elasticyolo_job_spent_usd"] >= c["spent_usd"] and m["elasticyolo_job_burn_usd_per_hour"] == 0.76
     assert m["elasticyolo_checkpoint_last_step"] == 10 and m["elasticyolo_checkpoint_last_size_bytes"] == 6.4e6
     assert m["elasticyolo_checkpoint_last_upload_seconds"] == 0.4 and m["elasticyolo_checkpoint_last_age_seconds"] >= 5
+
+    # The job's end: the leader logs one cost line and records it in the event log (status shows it).
+    e.put(keys.state, json.dumps({"state": "done", "at": time.time()}))
+
+    def cost_event() -> dict | None:
+        for _k, value, _r in e.get_prefix(keys.events):
+            ev = json.loads(value)
+            if ev.get("kind") == "cost":
+                return ev
+        return None
+
+    ev = wait_for(cost_event, 15, "the leader's cost summary")
+    assert ev["summary"].startswith(f"job {job_name}: spent $") and "on-demand $" in ev["summary"]
+    assert ev["spent_usd"] >= c["spent_usd"] and "/epoch over 1.5 epochs" in ev["summary"]
+    leader = next(a for a in agents if a.node_id == ev["node"])
+    assert any(r.get("event") == "job cost" and r.get("summary") == ev["summary"] for r in leader.log_records())
+    out = subprocess.run([ELASTICYOLO, "status", "--etcd", ep, "--job", job_name], capture_output=True, text=True,
+                         timeout=30).stdout
+    assert f"job ended: {ev['summary']}" in out, out

@@ -24,7 +24,7 @@ from elasticyolo.agent.state import NodeState, Observation, Transition, decide
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
 from elasticyolo.cluster.jobs import submit_spec
-from elasticyolo.cluster.keys import JOB_SUBMITTED, JobKeys
+from elasticyolo.cluster.keys import JOB_CANCELLED, JOB_DONE, JOB_FAILED, JOB_SUBMITTED, JobKeys
 from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.config import AgentConfig
@@ -296,9 +296,26 @@ class Agent:
                 state = None
         elif spec is not None:
             state = JOB_SUBMITTED  # a spec written without a state record counts as submitted
+        ended = state in (JOB_DONE, JOB_FAILED, JOB_CANCELLED) and self._job.state != state
         self._job = JobView(spec, state, revision, error)
         self.log.info("job changed", job_state=state, has_spec=spec is not None, active=self.job.active)
+        if ended and self.election.is_leader:
+            self._log_cost_summary(state)
         self._call_plugins("on_job_change", self.job)
+
+    def _log_cost_summary(self, state: str | None) -> None:
+        """One line at the job's end (the leader): what it cost, on-demand equivalent, $/epoch."""
+        from elasticyolo.cost import summary_line
+        from elasticyolo.status import collect
+
+        try:
+            view = collect(self.client, self.keys, lease_ttls=False)
+        except Exception as exc:  # noqa: BLE001 - a summary must not disturb the agent
+            self.log.warning("cost summary unavailable", error=str(exc))
+            return
+        line = summary_line(self.cfg.job, view["cost"], view.get("epochs_done"))
+        self.log.info("job cost", job_state=state, summary=line, **{k: v for k, v in view["cost"].items()})
+        self.write_event("cost", summary=line, **view["cost"])
 
     def _apply(self, t: Transition) -> None:
         self._state = t.new
