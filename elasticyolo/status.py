@@ -253,7 +253,7 @@ def _event_text(ev: dict[str, Any]) -> str:
 
 
 def _usd(v: Any) -> str:
-    return "-" if v is None else f"${v:,.2f}" if abs(v) >= 1 else f"${v:.4f}"
+    return "-" if v is None else f"${v:,.2f}" if abs(v) >= 100 else f"${v:.3f}"
 
 
 def cost_text(view: dict[str, Any]) -> str:
@@ -281,7 +281,8 @@ def node_rows(view: dict[str, Any]) -> list[list[str]]:
         rows.append([
             n["id"], _fmt(n["state"]), _fmt(n["slots"]), _fmt(n["ranks"]), "*" if n["leader"] else "",
             "-" if ttl is None else ("expired" if ttl < 0 else f"{ttl}s"), _ago(n["age_s"]),
-            _notice_text(n["notice"]), _fmt(n["price_per_hour"]), _usd(n.get("spent_usd")),
+            _notice_text(n["notice"]), "-" if n["price_per_hour"] is None else f"{n['price_per_hour']:.3f}",
+            _usd(n.get("spent_usd")),
             "-" if n["preemptible"] is None else ("yes" if n["preemptible"] else "no"),
         ])
     return rows

@@ -109,7 +109,7 @@ def test_live_cost_and_goodput_in_status_and_metrics(etcd_server: EtcdCluster, j
     table_out = subprocess.run([ELASTICYOLO, "status", "--etcd", ep, "--job", job_name], capture_output=True,
                                text=True, timeout=30).stdout
     cost_line = next(line for line in table_out.splitlines() if line.startswith("COST "))
-    assert "BURN $0.7600/h" in cost_line and "GOODPUT 75%" in cost_line, table_out
+    assert "BURN $0.760/h" in cost_line and "GOODPUT 75%" in cost_line, table_out
     header = next(line for line in table_out.splitlines() if line.startswith("NODE"))
     assert header.split()[-3:] == ["$/H", "SPENT", "PREEMPTIBLE"]
 

@@ -53,7 +53,7 @@ def test_collect_and_render(etcd_server: EtcdCluster, job_name: str) -> None:
     lines = table.splitlines()
     assert lines[0].startswith(f"JOB {job_name}  STATE running  WORLD 3  EPOCH 2  STEP 340  SAMPLES/S 123.40")
     assert "s3://b/job/step-300 (epoch 2, step 300, 30s ago)" in lines[1] or "31s ago" in lines[1]
-    assert lines[2].startswith("COST $") and "BURN $4.50/h" in lines[2]  # 0.5 + 1.5 + 2.5 per hour
+    assert lines[2].startswith("COST $") and "BURN $4.500/h" in lines[2]  # 0.5 + 1.5 + 2.5 per hour
     header = lines[4].split()
     assert header[:6] == ["NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE"]
     assert set(lines[5]) == {"─"}  # rich's header rule
