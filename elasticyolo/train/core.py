@@ -89,16 +89,29 @@ class StepResult:
     # Ultralytics' loss components (box_loss, cls_loss, dfl_loss), summed over the micro-batches, on the device.
     loss_items: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    _host: list[float] | None = field(default=None, repr=False)
+
+    def _read(self) -> list[float]:
+        """The loss and its components in one device-to-host copy (one wait for the device per step)."""
+        if self._host is None:
+            parts = [self.loss_sum, *self.loss_items.values()]
+            if isinstance(self.loss_sum, torch.Tensor):
+                self._host = torch.stack([torch.as_tensor(p, device=self.loss_sum.device).float().reshape(())
+                                          for p in parts]).tolist()
+            else:
+                self._host = [float(p) for p in parts]
+        return self._host
+
     @property
     def loss(self) -> float:
         """Mean per-image loss. Reading it waits for the device: the loop does so once per step,
         never per micro-batch."""
-        return float(self.loss_sum) / max(self.images, 1)
+        return self._read()[0] / max(self.images, 1)
 
     def loss_item_means(self) -> dict[str, float]:
         """Each loss component's mean over this step's micro-batches (Ultralytics' `loss_items`)."""
         n = max(self.micro_batches, 1)
-        return {k: float(v) / n for k, v in self.loss_items.items()}
+        return {k: v / n for k, v in zip(self.loss_items, self._read()[1:])}
 
 
 def local_size(spec: TrainSpec) -> int:
