@@ -68,6 +68,7 @@ class Agent:
         self.metrics = AgentMetrics(cfg.node_id, cfg.job)
         self._state = NodeState.JOINING
         self._job = JobView(None, None, (0, 0))
+        self._job_read = False
         price = node_price(cfg)
         self.record = NodeRecord(
             node_id=cfg.node_id, host=cfg.host, addr=cfg.addr, slots=cfg.slots, state=self.state.value,
@@ -279,6 +280,7 @@ class Agent:
                 self.metrics.world_size.set(float(json.loads(world_kv[0]).get("world_size", 0)))
             except (ValueError, TypeError, AttributeError):
                 pass
+        first_read, self._job_read = not self._job_read, True
         if revision == self.job.revision:
             return
         spec, error = None, None
@@ -296,7 +298,8 @@ class Agent:
                 state = None
         elif spec is not None:
             state = JOB_SUBMITTED  # a spec written without a state record counts as submitted
-        ended = state in (JOB_DONE, JOB_FAILED, JOB_CANCELLED) and self._job.state != state
+        # A job seen ending (not one that had ended before this agent started).
+        ended = state in (JOB_DONE, JOB_FAILED, JOB_CANCELLED) and self._job.state != state and not first_read
         self._job = JobView(spec, state, revision, error)
         self.log.info("job changed", job_state=state, has_spec=spec is not None, active=self.job.active)
         if ended and self.election.is_leader:
