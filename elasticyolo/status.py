@@ -288,6 +288,22 @@ def node_rows(view: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+# rich lays out a table at about 1 ms per row: beyond this many nodes a plain table of the same
+# layout is written (a 1,000-node status stays fast; bench/membership.py).
+RICH_MAX_ROWS = 200
+_RIGHT = ("SLOTS", "$/H", "SPENT")
+
+
+def _plain_table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(NODE_COLUMNS)]
+
+    def line(cells: Any) -> str:
+        return "   ".join(v.rjust(w) if c in _RIGHT else v.ljust(w)
+                          for c, v, w in zip(NODE_COLUMNS, cells, widths)).rstrip()
+
+    return [line(NODE_COLUMNS), "─" * (sum(widths) + 3 * (len(widths) - 1))] + [line(r) for r in rows]
+
+
 def render_table(view: dict[str, Any], *, color: bool = False, width: int | None = None) -> str:
     """The status as text: a summary, the cost line, the nodes (a `rich` table) and recent events.
     Plain text unless `color`; `width` None = wide enough never to wrap (pipes, files)."""
@@ -307,11 +323,13 @@ def render_table(view: dict[str, Any], *, color: bool = False, width: int | None
     rows = node_rows(view)
     if not rows:
         lines.append("no nodes registered")
+    elif len(rows) > RICH_MAX_ROWS and not color:
+        lines += _plain_table(rows)
     else:
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1),
                       header_style="bold" if color else "")
         for col in NODE_COLUMNS:
-            table.add_column(col, no_wrap=True, justify="right" if col in ("SLOTS", "$/H", "SPENT") else "left")
+            table.add_column(col, no_wrap=True, justify="right" if col in _RIGHT else "left")
         for r in rows:
             style = "yellow" if color and r[7] != "-" else None
             table.add_row(*r, style=style)

@@ -164,3 +164,22 @@ def test_status_table_and_watch_on_a_terminal(etcd_server: EtcdCluster, job_name
     assert rc == 0, text
     assert text.count("every 0.2s") >= 3 and "gpu-0" in text and "Traceback" not in text
     assert "\x1b[?1049h" in text and "\x1b[?1049l" in text  # alternate screen entered and left
+
+
+def test_big_tables_keep_the_layout_and_stay_fast() -> None:
+    from elasticyolo.status import RICH_MAX_ROWS
+
+    def view(n: int) -> dict:
+        nodes = [{"id": f"node-{i:04d}", "state": "TRAINING", "slots": 8, "ranks": [i], "leader": i == 0,
+                  "lease_ttl_s": 4, "age_s": 600, "notice": None, "price_per_hour": 0.4, "spent_usd": 0.1,
+                  "preemptible": True} for i in range(n)]
+        return {"job": "j", "state": "running", "world_size": n, "epoch": 1, "step": 1, "samples_s": 1.0,
+                "leader": "node-0000", "leader_term": 1, "last_checkpoint": None, "cost": {}, "goodput": {},
+                "nodes": nodes, "events": []}
+
+    small = render_table(view(3)).splitlines()
+    t0 = time.perf_counter()
+    big = render_table(view(RICH_MAX_ROWS + 800)).splitlines()
+    assert time.perf_counter() - t0 < 1.0
+    assert len(big) == 4 + 2 + RICH_MAX_ROWS + 800
+    assert big[4] == small[4] and big[6] == small[6]  # header and first row, as rich draws them
