@@ -60,8 +60,9 @@ class TorchJob:
     def submit(self, pairs: list[str], replace: bool = False) -> None:
         assert submit_spec(self.client, self.keys, TrainSpec.from_pairs(pairs), by="test", replace=replace)
 
-    def start(self, node: str) -> AgentProcess:
-        agent = AgentProcess(self.endpoints, self.job, node, ttl=self.ttl, log_dir=self.tmp, env=self.env).start()
+    def start(self, node: str, extra: list[str] | None = None) -> AgentProcess:
+        agent = AgentProcess(self.endpoints, self.job, node, ttl=self.ttl, log_dir=self.tmp, env=self.env,
+                             extra=list(extra or [])).start()
         self.agents[node] = agent
         return agent
 
@@ -263,7 +264,7 @@ def test_status_shows_progress_and_last_checkpoint_of_a_running_torch_job(etcd_s
 
     job = jobs(etcd_server.endpoints, job_name)
     job.submit(spec_pairs(dataset, epochs=200, checkpoint=f"file://{tmp_path / 'ckpt'}", save_period_steps=2))
-    job.start("a")
+    job.start("a", extra=["--price-per-hour", "0.36", "--on-demand-price-per-hour", "1.2"])
     view = job.wait(lambda: (lambda v: v if v["state"] == "running" and (v["step"] or 0) >= 2
                              and (v["last_checkpoint"] or {}).get("step") else None)(status()), 150,
                     "status to show a running torch job with its step and last checkpoint")
@@ -271,6 +272,19 @@ def test_status_shows_progress_and_last_checkpoint_of_a_running_torch_job(etcd_s
     ck = view["last_checkpoint"]
     assert ck["uri"].startswith(f"file://{tmp_path / 'ckpt'}") and ck["step"] <= view["step"] and ck["size"] > 0
     assert view["last_resume"]["reason"] == "start" and view["last_resume"]["source"] == "fresh"
+    # Live cost and goodput of the priced node, once rank 0 has a steady rate (after 10 steps).
+    view = job.wait(lambda: (lambda v: v if v["goodput"]["steady_samples_s_per_worker"] else None)(status()), 150,
+                    "a steady samples/s in the progress record")
+    node = view["nodes"][0]
+    started = json.loads(job.client.get(job.keys.node("a"))[0])["started_at"]  # when its lease was granted
+    hours = (view["at"] - started) / 3600
+    assert node["started_at"] == started and node["spent_usd"] == pytest.approx(0.36 * hours, abs=1e-6)
+    assert view["cost"]["spent_usd"] == pytest.approx(0.36 * hours, abs=1e-6)
+    assert view["cost"]["savings_usd"] == pytest.approx((1.2 - 0.36) * hours, abs=2e-6)
+    g = view["goodput"]
+    assert g["paid_slots"] == 1 and g["ratio"] == pytest.approx(g["samples_s"] / g["steady_samples_s_per_worker"],
+                                                                abs=1e-6)
+    assert 0 < g["ratio"] <= 1.001  # the steady rate is the best seen so far, this one included
     workers = {e["pid"] for e in job.events("resume")}
     job.cancel()
     job.wait(lambda: all(gone(p) for p in workers), 60, "workers stopped after cancel")
