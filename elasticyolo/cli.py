@@ -69,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.name and exc.name.startswith("elasticyolo.commands"):
             print(f"elasticyolo: error: command '{name}' is not available in this build", file=sys.stderr)
             return 2
-        raise
+        print(f"elasticyolo {name}: error: needs the Python package {exc.name!r}, which is not installed "
+              f"(worker-side commands need `pip install elasticyolo[train]`)", file=sys.stderr)
+        return 2
     parser = OneLineParser(prog=f"elasticyolo {name}", description=help_text)
     module.add_arguments(parser)
     _one_line_subparsers(parser)
@@ -81,6 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # imported lazily by the command: a missing optional dependency
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"elasticyolo {name}: error: needs the Python package {exc.name!r}, which is not installed "
+              f"(worker-side commands need `pip install elasticyolo[train]`)", file=sys.stderr)
+        return 2
     except OSError as exc:  # a path we cannot create, read or write: what failed and where
         if os.environ.get(DEBUG_ENV):
             raise
