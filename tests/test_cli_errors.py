@@ -88,3 +88,15 @@ def test_stdlib_loggers_go_through_structlog_with_journald_priorities(tmp_path: 
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "JOURNAL_STREAM": "1:2"})
     assert all(line.startswith("{") for line in r.stderr.splitlines()), r.stderr
+
+
+def test_missing_dependency_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from elasticyolo import cli
+
+    def load(name: str) -> None:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(cli, "_load", load)
+    assert cli.main(["train", "data=x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs the Python package 'torch'" in err and "elasticyolo[train]" in err
