@@ -181,6 +181,11 @@ class EtcdClient:
                                        **self.tls_request_args())
         except requests.exceptions.Timeout as ex:
             raise gw_exc.ConnectionTimeoutError(str(ex)) from ex
+        except requests.exceptions.SSLError as ex:
+            refusal = tls_refusal(ex, client.get_url(""), has_cert=bool(self._tls_args["cert_cert"]))
+            if refusal is not None:
+                raise refusal from None  # a certificate problem: no retry or failover fixes it
+            raise gw_exc.ConnectionFailedError(str(ex)) from ex
         except requests.exceptions.ConnectionError as ex:
             raise gw_exc.ConnectionFailedError(str(ex)) from ex
         if resp.status_code in _EXCEPTIONS_BY_CODE:
@@ -340,8 +345,8 @@ class EtcdClient:
         return self.txn([cmp], [{"request_delete_range": {"key": bkey}}], [])["succeeded"]
 
     def revision(self) -> int:
-        """The current store revision."""
-        return int(self.call("/kv/range", {"key": _b64("\0"), "count_only": True})["header"]["revision"])
+        """The current store revision (read under /elasticyolo/: an etcd role may allow only that)."""
+        return int(self.call("/kv/range", {"key": _b64("/elasticyolo/"), "count_only": True})["header"]["revision"])
 
     # ---- leases -------------------------------------------------------------------------
     def lease_grant(self, ttl: int) -> int:
@@ -553,6 +558,32 @@ def _detail(exc: BaseException) -> str:
     except (ValueError, TypeError):
         pass
     return " ".join(str(text).split())[:300]
+
+
+# OpenSSL reasons that mean "this certificate will never be accepted" (not a flaky network).
+_PEER_REFUSED_CERT = ("ALERT_BAD_CERTIFICATE", "ALERT_CERTIFICATE_REQUIRED", "ALERT_UNKNOWN_CA",
+                      "ALERT_CERTIFICATE_UNKNOWN", "ALERT_CERTIFICATE_EXPIRED", "ALERT_CERTIFICATE_REVOKED",
+                      "ALERT_ACCESS_DENIED")
+_WE_REFUSED_CERT = ("CERTIFICATE_VERIFY_FAILED",)
+
+
+def tls_refusal(exc: BaseException, endpoint: str, has_cert: bool) -> UserError | None:
+    """A one-line UserError when a TLS handshake failed over a certificate, else None."""
+    text = str(exc)
+    m = re.search(r"\[SSL: ([A-Z0-9_]+)\] ([^(]+?)\s*\(_ssl", text)
+    code, reason = (m.group(1), m.group(2).strip()) if m else ("", "")
+    where = f"etcd {endpoint.rstrip('/').removesuffix(API_PATH.rstrip('/'))}"
+    if any(c in code for c in _PEER_REFUSED_CERT):
+        if not has_cert:
+            return UserError(f"{where}: TLS handshake refused ({reason}): the server requires a client certificate; "
+                             "set etcd_cert and etcd_key")
+        return UserError(f"{where}: TLS handshake refused ({reason}): the server does not accept our client "
+                         "certificate; use one signed by the cluster CA (etcd_cert, etcd_key)")
+    if any(c in code for c in _WE_REFUSED_CERT):
+        detail = text.split("certificate verify failed:", 1)[-1].split("(_ssl")[0].strip() or reason
+        return UserError(f"{where}: the server's TLS certificate is not trusted ({detail}); set etcd_ca to the "
+                         "cluster CA")
+    return None
 
 
 _TRANSIENT_MARKERS = ("leader changed", "no leader", "timed out", "timeout", "unavailable",
