@@ -69,10 +69,14 @@ def resolve(args: argparse.Namespace, job_required: bool = True) -> dict[str, An
         values[dest] = v
     values["etcd_password"] = os.environ.get("ELASTICYOLO_ETCD_PASSWORD") or (file_values or {}).get("etcd_password")
     if values["etcd_password_file"]:
-        try:
-            values["etcd_password"] = Path(values["etcd_password_file"]).read_text().strip()
-        except OSError as exc:
-            raise UserError(f"etcd password file {values['etcd_password_file']}: {exc.strerror}") from None
+        from elasticyolo.cluster.secrets import read_password_file
+
+        values["etcd_password"] = read_password_file(values["etcd_password_file"])
+    if values["etcd_user"] and not values["etcd_password"]:
+        from elasticyolo.cluster.secrets import credential_path, read_password_file
+
+        if (cred := credential_path()) is not None:  # systemd LoadCredential=etcd-password:...
+            values["etcd_password"] = read_password_file(cred, "etcd password credential")
     if not values["etcd"]:
         raise UserError("no etcd endpoints: pass --etcd HOST:PORT[,...] or set ELASTICYOLO_ETCD")
     if isinstance(values["etcd"], list):

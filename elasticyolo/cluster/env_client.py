@@ -1,7 +1,8 @@
 """The etcd client of a worker process, from the environment its agent set.
 
 Agents pass `ELASTICYOLO_ETCD`, `ELASTICYOLO_JOB` and TLS/auth (`ELASTICYOLO_ETCD_CA`, `_CERT`,
-`_KEY`, `_USER`, `_PASSWORD`) through the environment, never the command line (visible in `ps`).
+`_KEY`, `_USER`, and the password as a file: `_PASSWORD_FILE`, see secrets.py) through the
+environment, never the command line (visible in `ps`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.cluster.secrets import password_from_env
 
 
 def client_from_env(timeout: float) -> tuple[EtcdClient, JobKeys] | None:
@@ -21,5 +23,5 @@ def client_from_env(timeout: float) -> tuple[EtcdClient, JobKeys] | None:
     env = os.environ.get
     client = EtcdClient(endpoints, ca_cert=env("ELASTICYOLO_ETCD_CA"), cert_cert=env("ELASTICYOLO_ETCD_CERT"),
                         cert_key=env("ELASTICYOLO_ETCD_KEY"), user=env("ELASTICYOLO_ETCD_USER"),
-                        password=env("ELASTICYOLO_ETCD_PASSWORD"), timeout=timeout, retry_window=timeout)
+                        password=password_from_env(), timeout=timeout, retry_window=timeout)
     return client, JobKeys(job)

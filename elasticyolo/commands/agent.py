@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
     from elasticyolo.agent.drain import SpotDrain
 
+    from elasticyolo.data.staging_agent import DataStagingHook  # s3:// datasets, before slots are offered
+
     spot = SpotDrain.from_config(cfg)  # a bad --metadata-url fails here, before anything starts
-    agent = Agent(cfg, hooks=[spot, TorchEngineHook(cfg), HorovodEngineHooks()])
+    agent = Agent(cfg, hooks=[spot, DataStagingHook(cfg), TorchEngineHook(cfg), HorovodEngineHooks()])
     agent.signal_sink = spot.watcher.inject_signal
     return agent.run()

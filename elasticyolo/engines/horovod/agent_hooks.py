@@ -179,10 +179,13 @@ class HorovodEngineHooks(AgentHooks):
         the environment (never the command line, never etcd)."""
         cfg = agent.cfg
         os.environ["ELASTICYOLO_ETCD"] = ",".join(cfg.etcd)
-        for name in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password"):
+        for name in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user"):
             value = getattr(cfg, name)
             if value:
                 os.environ[f"ELASTICYOLO_{name.upper()}"] = str(value)
+        from elasticyolo.cluster.secrets import child_password_env  # the password as a file path only
+
+        os.environ.update(child_password_env(cfg.etcd_password, cfg.etcd_password_file))
 
 
 def _driver_client(agent: "Agent") -> Any:

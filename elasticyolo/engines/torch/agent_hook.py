@@ -36,6 +36,7 @@ from elasticyolo.agent.hooks import AgentHooks
 from elasticyolo.agent.state import NodeState, Transition
 from elasticyolo.cluster.etcd import b64
 from elasticyolo.cluster.keys import ACTIVE_JOB_STATES, JOB_DONE
+from elasticyolo.data.staging_agent import data_ready
 from elasticyolo.engines.torch.launcher import EXIT_CLOSED, LaunchSettings
 from elasticyolo.log import get_logger
 
@@ -177,6 +178,8 @@ class TorchEngineHook(AgentHooks):
             return None
         if job.spec.engine != "torch":
             return None
+        if not data_ready(agent.record.extra):  # its s3:// dataset is still being staged
+            return None
         return job.revision[0]
 
     def _reconcile(self, agent: "Agent") -> None:
@@ -276,8 +279,9 @@ class TorchEngineHook(AgentHooks):
 
     def _etcd_env(self) -> dict[str, str]:
         """TLS/auth for the rendezvous client, through the environment (never the command line)."""
+        from elasticyolo.cluster.secrets import child_password_env
+
         c = self.cfg
         pairs = {"ELASTICYOLO_ETCD_CA_CERT": c.etcd_ca, "ELASTICYOLO_ETCD_CERT": c.etcd_cert,
-                 "ELASTICYOLO_ETCD_KEY": c.etcd_key, "ELASTICYOLO_ETCD_USER": c.etcd_user,
-                 "ELASTICYOLO_ETCD_PASSWORD": c.etcd_password}
-        return {k: v for k, v in pairs.items() if v}
+                 "ELASTICYOLO_ETCD_KEY": c.etcd_key, "ELASTICYOLO_ETCD_USER": c.etcd_user}
+        return {**{k: v for k, v in pairs.items() if v}, **child_password_env(c.etcd_password, c.etcd_password_file)}

@@ -351,11 +351,15 @@ def client_options(params: RendezvousParameters) -> dict[str, Any]:
         if value:
             opts[opt] = value
     env = {"ca_cert": "ELASTICYOLO_ETCD_CA_CERT", "cert_cert": "ELASTICYOLO_ETCD_CERT",
-           "cert_key": "ELASTICYOLO_ETCD_KEY", "user": "ELASTICYOLO_ETCD_USER",
-           "password": "ELASTICYOLO_ETCD_PASSWORD"}
+           "cert_key": "ELASTICYOLO_ETCD_KEY", "user": "ELASTICYOLO_ETCD_USER"}
     for opt, var in env.items():
         if opt not in opts and os.environ.get(var):
             opts[opt] = os.environ[var]
+    if "password" not in opts:
+        from elasticyolo.cluster.secrets import password_from_env  # a file path, never the value
+
+        if (password := password_from_env()) is not None:
+            opts["password"] = password
     if params.get("etcd_timeout"):
         opts["timeout"] = float(params.get("etcd_timeout"))
     if params.get("etcd_retry_window"):
