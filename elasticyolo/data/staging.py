@@ -199,47 +199,72 @@ class Stager:
 
     # ---- the whole run ------------------------------------------------------------------
     def stage(self, uri: str) -> StageResult:
+        """Make the local copy match S3. Checking an unchanged copy needs only a shared lock (jobs
+        keep training on it); changing it waits for an exclusive one (no job uses it then)."""
         ref = DatasetRef.parse(uri)
         entry = self.cache.entry(uri)
         lock = DatasetLock(entry)
+        progress = StageProgress("listing")
         try:
-            if not lock.acquire(exclusive=True, cancelled=self.cancel.is_set):
+            if not lock.acquire(exclusive=False, cancelled=self.cancel.is_set):
                 raise StagingCancelled(uri)
-            return self._stage_locked(ref, entry)
-        finally:
+            self._report(progress, force=True)
+            try:
+                objects = self._list(ref)
+            except UnavailableError as exc:
+                offline = self._offline_copy(ref, entry, progress, exc)
+                if offline is None:
+                    raise
+                return offline
+            if not any(o.key == ref.yaml_name for o in objects):
+                raise StagingError(f"dataset {ref.uri}: no such object")
+            reused = self._reuse(ref, entry, objects, progress)
+            if reused is not None:
+                return reused
             lock.release()
+            if not lock.acquire(exclusive=True, timeout=1.0):
+                self.log.info("waiting for the jobs using the old copy to end", dataset=ref.uri)
+                if not lock.acquire(exclusive=True, cancelled=self.cancel.is_set):
+                    raise StagingCancelled(uri)
+            # Another stager may have finished while we waited.
+            return self._reuse(ref, entry, objects, progress) or self._stage_locked(ref, entry, objects, progress)
+        finally:
             lock.close()
 
-    def _stage_locked(self, ref: DatasetRef, entry: CacheEntry) -> StageResult:
-        progress = StageProgress("listing")
-        self._report(progress, force=True)
-        try:
-            objects = self._list(ref)
-        except UnavailableError as exc:
-            meta = entry.read_meta()
-            if meta.get("state") == "ready" and meta.get("uri") == ref.uri and entry.data_yaml.is_file():
-                self.log.warning("S3 unreachable; using the staged copy without checking for changes",
-                                 dataset=ref.uri, error=str(exc))
-                entry.write_meta(last_used=time.time())
-                return StageResult(ref.uri, entry.data_yaml, int(meta.get("files", 0)), int(meta.get("bytes", 0)),
-                                   0, 0, progress.seconds, True, offline=True)
-            raise
-        if not any(o.key == ref.yaml_name for o in objects):
-            raise StagingError(f"dataset {ref.uri}: no such object")
+    def _offline_copy(self, ref: DatasetRef, entry: CacheEntry, progress: StageProgress,
+                      exc: Exception) -> StageResult | None:
+        """S3 unreachable: a complete earlier copy is used (with a warning), else None."""
+        meta = entry.read_meta()
+        if meta.get("state") == "ready" and meta.get("uri") == ref.uri and entry.data_yaml.is_file():
+            self.log.warning("S3 unreachable; using the staged copy without checking for changes",
+                             dataset=ref.uri, error=str(exc))
+            entry.write_meta(last_used=time.time())
+            return StageResult(ref.uri, entry.data_yaml, int(meta.get("files", 0)), int(meta.get("bytes", 0)),
+                               0, 0, progress.seconds, True, offline=True)
+        return None
+
+    def _reuse(self, ref: DatasetRef, entry: CacheEntry, objects: list[RemoteObject],
+               progress: StageProgress) -> StageResult | None:
+        """The copy as it is, when it is complete and S3's listing has not changed since."""
         digest = listing_digest(objects)
         total = sum(o.size for o in objects)
         progress.files_total, progress.bytes_total = len(objects), total
         meta = entry.read_meta()
-        if (meta.get("state") == "ready" and meta.get("digest") == digest and entry.data_yaml.is_file()
+        if not (meta.get("state") == "ready" and meta.get("digest") == digest and entry.data_yaml.is_file()
                 and all(self._present(entry, o) for o in objects)):
-            entry.write_meta(last_used=time.time())
-            progress.phase, progress.files_done, progress.bytes_done = "ready", len(objects), total
-            self._report(progress, force=True)
-            self.log.info("dataset reused", dataset=ref.uri, files=len(objects), bytes=total,
-                          seconds=round(progress.seconds, 3))
-            return StageResult(ref.uri, entry.data_yaml, len(objects), total, 0, 0, progress.seconds, True,
-                               verified=dict(meta.get("verified") or {}))
+            return None
+        entry.write_meta(last_used=time.time())
+        progress.phase, progress.files_done, progress.bytes_done = "ready", len(objects), total
+        self._report(progress, force=True)
+        self.log.info("dataset reused", dataset=ref.uri, files=len(objects), bytes=total,
+                      seconds=round(progress.seconds, 3))
+        return StageResult(ref.uri, entry.data_yaml, len(objects), total, 0, 0, progress.seconds, True,
+                           verified=dict(meta.get("verified") or {}))
 
+    def _stage_locked(self, ref: DatasetRef, entry: CacheEntry, objects: list[RemoteObject],
+                      progress: StageProgress) -> StageResult:
+        digest = listing_digest(objects)
+        total = sum(o.size for o in objects)
         # What is already here (journaled, or complete but unjournaled after a crash).
         journal = entry.journal()
         todo: list[RemoteObject] = []
@@ -682,6 +707,13 @@ def resolve_data_yaml(uri: str, options: dict[str, Any] | None = None, wait_s: f
             raise StagingError(f"dataset {uri}: not staged on this node after {wait_s:g}s "
                                f"(last state: {meta.get('state')}: {meta.get('error') or '-'})")
         time.sleep(0.5)
+
+
+def release(uri: str) -> None:
+    """Drop this process's shared lock on `uri`'s copy (resolve_data_yaml keeps it otherwise)."""
+    held = _held.pop(uri, None)
+    if held is not None:
+        held[0].close()
 
 
 def resolve_for_spec(spec: Any) -> Path | None:

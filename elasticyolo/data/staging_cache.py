@@ -208,12 +208,13 @@ class DatasetCache:
                 yield CacheEntry(self.root, d.name)
 
     @staticmethod
-    def disk_bytes(entry: CacheEntry) -> int:
+    def stored_bytes(entry: CacheEntry) -> int:
+        """Bytes of the files an entry holds (what the cap counts, like the dataset's S3 size)."""
         total = 0
         for dirpath, _dirs, files in os.walk(entry.dir):
             for name in files:
                 try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
                 except OSError:
                     continue
         return total
@@ -224,7 +225,7 @@ class DatasetCache:
         CacheFullError when that is impossible."""
         evicted: list[str] = []
         others = [e for e in self.entries() if e.name != keep.name]
-        sizes = {e.name: self.disk_bytes(e) for e in others}
+        sizes = {e.name: self.stored_bytes(e) for e in others}
         others.sort(key=lambda e: float(e.read_meta().get("last_used") or 0.0))
         needed = max(0, final_bytes - present_bytes)
 
