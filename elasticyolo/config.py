@@ -113,6 +113,13 @@ class AgentConfig(S3Settings):
         except UserError as exc:
             raise ValueError(str(exc)) from None
 
+    @field_validator("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file", mode="before")
+    @classmethod
+    def _credential_copy(cls, v: Any) -> Any:
+        from elasticyolo.cluster.secrets import via_credential
+
+        return via_credential(v) if isinstance(v, str) and v else v
+
     @field_validator("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
     @classmethod
     def _file_exists(cls, v: str | None) -> str | None:

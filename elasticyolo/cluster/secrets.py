@@ -34,6 +34,14 @@ def credential_path(name: str = CREDENTIAL_NAME, environ: Mapping[str, str] | No
     return path if path.is_file() else None
 
 
+def via_credential(path: str, environ: Mapping[str, str] | None = None) -> str:
+    """A file setting as this process can read it: under systemd, a credential with the file's
+    name (`LoadCredential=client-agent-key.pem:/etc/elasticyolo/pki/client-agent-key.pem`) is
+    the service's readable copy of a root-only file; elsewhere the path itself."""
+    cred = credential_path(Path(path).name, environ)
+    return str(cred) if cred is not None else path
+
+
 def read_password_file(path: str | Path, what: str = "etcd password file") -> str:
     """The first line of `path` (a trailing newline is not part of the password)."""
     try:
