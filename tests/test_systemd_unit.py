@@ -10,7 +10,6 @@ filter lacks, fails the job: the ProtectHome problem of the old unit cannot come
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -21,12 +20,11 @@ from typing import Iterator
 import boto3
 import pytest
 
-from elasticyolo.agent.testing import ELASTICYOLO, wait_for
-from elasticyolo.cluster.etcd import EtcdClient
-from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.agent.testing import ELASTICYOLO
 from elasticyolo.data.staging_upload import upload_dataset
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.testing.servers import EtcdCluster, S3Server
+from elasticyolo.testing.unit_jobs import SandboxedAgent
 from elasticyolo.testing.unit_sandbox import UnitSandbox, expand_syscall_filter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,65 +78,30 @@ def test_agent_and_workers_train_under_the_unit(sandbox: UnitSandbox, etcd_serve
                                                job_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
-    s3 = boto3.client("s3", **{"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1",
-                               "aws_access_key_id": "testing", "aws_secret_access_key": "testing"})
+    s3 = boto3.client("s3")
     bucket = f"unit-{job_name}"[:60].rstrip("-")
     s3.create_bucket(Bucket=bucket)
     ds = write_dataset(tmp_path / "shapes", SynthSpec(train=16, val=4, imgsz=64)).parent
-    upload_dataset(ds, f"s3://{bucket}/shapes", {"endpoint_url": s3_server.endpoint_url})
-
-    cfg = sandbox.root / "agent.yaml"  # /etc/elasticyolo/agent.yaml: readable, not writable
-    cfg.write_text(json.dumps({"etcd": [etcd_server.endpoints], "job": job_name, "node_id": "unit-node",
-                               "addr": "127.0.0.1", "host": "127.0.0.1", "slots": 1, "ttl": 3,
-                               "startup_timeout_s": 20}))
-    cfg.chmod(0o644)
-    env = sandbox.env({
-        # test plumbing only: this checkout's code, the local S3 server, loopback for Gloo
-        "PYTHONPATH": str(REPO), **s3_server.env(), "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
-        "HOROVOD_GLOO_IFACE": "lo", "OMP_NUM_THREADS": "1",
-    })
-    log_path = tmp_path / "agent.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(sandbox.command([ELASTICYOLO, "agent", "--config", str(cfg)]), env=env,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    client = EtcdClient(etcd_server.endpoints)
-    keys = JobKeys(job_name)
+    upload_dataset(ds, f"s3://{bucket}/shapes", {})
+    agent = SandboxedAgent(sandbox, etcd_server.endpoints, job_name, tmp_path / "agent.log", env=s3_server.env())
     try:
-        wait_for(lambda: client.get(keys.node("unit-node")), 30, "the sandboxed agent to register")
-        status = Path(f"/proc/{proc.pid}/status").read_text()  # the wrappers exec: same pid
+        agent.start()
+        assert agent.proc is not None
+        status = Path(f"/proc/{agent.proc.pid}/status").read_text()  # the wrappers exec: same pid
         assert re.search(rf"Uid:\s+{sandbox.uid}\b", status) and re.search(r"Seccomp:\s+2", status), status
         assert re.search(r"CapEff:\s+0+\n", status), status
-        def run_job(engine: str, replace: bool) -> None:
-            r = subprocess.run([ELASTICYOLO, "submit", "--etcd", etcd_server.endpoints, "--job", job_name,
-                                *(["--replace"] if replace else []), f"data=s3://{bucket}/shapes/data.yaml",
-                                "model=yolov8n.yaml", "epochs=2", "imgsz=64", "batch=4", "workers=2",
-                                f"engine={engine}", "min_nodes=1", f"checkpoint=s3://{bucket}/ckpt-{engine}",
-                                "save_period_steps=3", "s3_sse=AES256"], capture_output=True, text=True, timeout=30)
-            assert r.returncode == 0, r.stderr
-
-            def finished() -> str | None:
-                got = client.get(keys.state)
-                rec = json.loads(got[0]) if got else {}
-                return rec.get("state") if rec.get("state") in ("done", "failed") and got[1] > submitted else None
-
-            submitted = client.get(keys.spec)[1]  # type: ignore[index]
-            assert wait_for(finished, 300, f"the {engine} job to finish under the unit", interval=0.5) == "done", \
-                log_path.read_text()[-4000:]
-
-        run_job("horovod", replace=False)  # Horovod/Gloo workers with two data loader processes each
-        run_job("torch", replace=True)  # torch elastic: torchrun's agent, its log dirs, node snapshots
+        for engine in ("horovod", "torch"):  # Horovod/Gloo workers; torch elastic's agent and workers
+            state = agent.run_job(f"data=s3://{bucket}/shapes/data.yaml", "model=yolov8n.yaml", "epochs=2",
+                                  "imgsz=64", "batch=4", "workers=2", f"engine={engine}", "min_nodes=1",
+                                  f"checkpoint=s3://{bucket}/ckpt-{engine}", "save_period_steps=3", "s3_sse=AES256")
+            assert state == "done", agent.log_text()[-4000:]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    text = log_path.read_text()
+        agent.stop()
+    text = agent.log_text()
     for bad in ("Read-only file system", "Permission denied", "Operation not permitted", "PermissionError"):
         assert bad not in text, f"{bad!r} in the agent log:\n" + text[-4000:]
-    state, cache = sandbox.state_dirs[0], sandbox.cache_dirs[0]
-    assert (state / "ultralytics" / "Ultralytics" / "Arial.ttf").is_file()  # offline fonts seeded there
+    state_dir, cache = sandbox.state_dirs[0], sandbox.cache_dirs[0]
+    assert (state_dir / "ultralytics" / "Ultralytics" / "Arial.ttf").is_file()  # offline fonts seeded there
     assert any((cache / "datasets").glob("*/files/images/train/*.png"))  # the s3:// dataset, staged
     assert not any(sandbox.home.iterdir())  # nothing in HOME (read-only, like a dynamic user's)
     objects = s3.list_objects_v2(Bucket=bucket, Prefix="ckpt-")["Contents"]
