@@ -33,8 +33,9 @@ from elasticyolo.errors import UnavailableError, UserError
 API_PATH = "/v3/"
 
 
-class EtcdError(Exception):
-    """etcd answered, but refused the request (permission denied, bad request, ...)."""
+class EtcdError(UserError):
+    """etcd answered, but refused the request (permission denied, bad request, ...). A UserError:
+    the CLI prints it as one line; the agent logs it and retries."""
 
 
 class LeaseNotFoundError(EtcdError):
@@ -219,6 +220,12 @@ class EtcdClient:
                 raise _Transient(f"{self.endpoints[index]}: {text}") from exc
             if "lease not found" in text:
                 raise LeaseNotFoundError(text) from None
+            if "user name is empty" in text:
+                raise EtcdError("etcd: authentication is on and no user is configured: set etcd_user and its "
+                                "password (etcd_password_file, or the etcd-password credential)") from None
+            if "permission denied" in text:
+                raise EtcdError(f"etcd {path}: permission denied for user {self._user!r}: its role must allow "
+                                "readwrite on /elasticyolo/ (deploy/etcd/setup-auth.sh)") from None
             raise EtcdError(f"etcd {path}: {text}") from None
 
     def _rotate(self, failed_index: int, exc: BaseException) -> None:
