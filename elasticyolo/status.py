@@ -99,6 +99,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
             "instance_type": rec.get("instance_type"),
             "zone": rec.get("zone"),
             "agent_version": rec.get("agent_version"),
+            "data": rec.get("data"),  # s3:// dataset staging (data/staging_agent.py)
         })
     if lease_ttls is None:
         lease_ttls = len(leases) <= AUTO_LEASE_TTL_MAX_NODES
@@ -220,6 +221,22 @@ def _event_text(ev: dict[str, Any]) -> str:
     return f"{at}  {ev.get('node')}  {what}: {detail}"
 
 
+def _data_text(d: Any) -> str:
+    """A node's dataset staging: `staging 42% 3.1s`, `ready 12.0s`, `cached 0.3s`, `failed: ...`."""
+    if not isinstance(d, dict):
+        return "-"
+    state, secs = d.get("state"), d.get("seconds")
+    took = f" {secs:.1f}s" if isinstance(secs, (int, float)) else ""
+    if state == "staging":
+        total, done = d.get("bytes") or 0, d.get("done_bytes") or 0
+        return f"staging {int(100 * done / total)}%{took}" if total else f"staging{took}"
+    if state == "ready":
+        return ("cached" if d.get("reused") else "ready") + took
+    if state == "failed":
+        return f"failed: {str(d.get('error') or '?')[:60]}"
+    return str(state)
+
+
 def render_table(view: dict[str, Any]) -> str:
     head = [
         ("JOB", view["job"]), ("STATE", view["state"]), ("WORLD", _fmt(view["world_size"])),
@@ -228,6 +245,9 @@ def render_table(view: dict[str, Any]) -> str:
     ]
     lines = ["  ".join(f"{k} {v}" for k, v in head), f"CHECKPOINT {_checkpoint_text(view['last_checkpoint'])}", ""]
     cols = ["NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE", "AGE", "NOTICE", "PRICE", "PREEMPTIBLE"]
+    show_data = any(n.get("data") for n in view["nodes"])
+    if show_data:
+        cols.append("DATA")
     rows = []
     for n in view["nodes"]:
         ttl = n["lease_ttl_s"]
@@ -236,7 +256,7 @@ def render_table(view: dict[str, Any]) -> str:
             "-" if ttl is None else ("expired" if ttl < 0 else f"{ttl}s"), _ago(n["age_s"]),
             _notice_text(n["notice"]), _fmt(n["price_per_hour"]),
             "-" if n["preemptible"] is None else ("yes" if n["preemptible"] else "no"),
-        ])
+        ] + ([_data_text(n.get("data"))] if show_data else []))
     if not rows:
         lines.append("no nodes registered")
     else:
