@@ -17,6 +17,7 @@ from elasticyolo.cluster.etcd import parse_endpoints
 from elasticyolo.cluster.keys import check_job_name, check_node_id
 from elasticyolo.engines.worker_env import DEFAULT_WORK_ROOT
 from elasticyolo.errors import UserError
+from elasticyolo.s3options import S3Settings
 from elasticyolo.spec import TrainSpec
 from elasticyolo.spot.providers import PROVIDERS, check_provider
 
@@ -28,7 +29,10 @@ def detect_slots() -> int:
     return max(1, len([p for p in glob.glob("/dev/nvidia[0-9]*") if p[len("/dev/nvidia"):].isdigit()]))
 
 
-class AgentConfig(BaseModel):
+class AgentConfig(S3Settings):
+    """`s3_*` (from S3Settings): this node's S3 defaults for checkpoints and datasets; a job's own
+    values win."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # etcd
@@ -72,6 +76,13 @@ class AgentConfig(BaseModel):
     drain_on_rebalance: bool = Field(False, description="drain on a rebalance recommendation, not only mark at risk")
     drain_margin_s: float = Field(5.0, ge=0, le=120, description="finish draining this long before a notice deadline")
 
+    # datasets staged from S3 (data=s3://bucket/prefix/data.yaml): elasticyolo/data/staging.py
+    data_cache_dir: str | None = Field(None, description="default: $CACHE_DIRECTORY/datasets, else "
+                                                          "$XDG_CACHE_HOME/elasticyolo/datasets")
+    data_cache_max_gb: float | None = Field(None, gt=0, description="size cap; least recently used datasets "
+                                                                    "are evicted (default: no cap but free space)")
+    data_max_concurrency: int = Field(16, ge=1, le=256, description="parallel S3 transfers while staging")
+
     # a job spec for VMs that boot straight into one job (submitted if etcd has none)
     spec: dict[str, Any] | None = None
 
@@ -107,6 +118,13 @@ class AgentConfig(BaseModel):
         except UserError as exc:
             raise ValueError(str(exc)) from None
 
+    @field_validator("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file", mode="before")
+    @classmethod
+    def _credential_copy(cls, v: Any) -> Any:
+        from elasticyolo.cluster.secrets import via_credential
+
+        return via_credential(v) if isinstance(v, str) and v else v
+
     @field_validator("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
     @classmethod
     def _file_exists(cls, v: str | None) -> str | None:
@@ -139,8 +157,15 @@ class AgentConfig(BaseModel):
     def _pairs(self) -> "AgentConfig":
         if bool(self.etcd_cert) != bool(self.etcd_key):
             raise ValueError("etcd_cert and etcd_key go together")
-        if self.etcd_password_file and self.etcd_password is None:
-            self.etcd_password = Path(self.etcd_password_file).read_text().strip()
+        if self.etcd_password is None:
+            from elasticyolo.cluster.secrets import credential_path, read_password_file
+
+            if self.etcd_password_file:
+                self.etcd_password = read_password_file(self.etcd_password_file)
+            elif self.etcd_user and (cred := credential_path()) is not None:
+                # systemd LoadCredential=etcd-password:...: the unit names the file, not this config
+                self.etcd_password = read_password_file(cred, "etcd password credential")
+                self.etcd_password_file = str(cred)
         return self
 
     def train_spec(self, where: str = "agent config") -> TrainSpec | None:

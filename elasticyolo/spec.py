@@ -13,6 +13,7 @@ from typing import Any, Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from elasticyolo.errors import UserError
+from elasticyolo.s3options import S3Settings
 
 # Ultralytics augmentation / loss-gain keys passed through to `get_cfg` unchanged.
 ULTRALYTICS_PASSTHROUGH = (
@@ -21,14 +22,16 @@ ULTRALYTICS_PASSTHROUGH = (
 )
 
 
-class TrainSpec(BaseModel):
-    """One training job. Every field can be given as `key=value` on the command line."""
+class TrainSpec(S3Settings):
+    """One training job. Every field can be given as `key=value` on the command line.
+    `s3_*` (from S3Settings): endpoint, region, profile and server-side encryption for the
+    checkpoint store and an `s3://` dataset."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # What to train (Ultralytics meanings).
     model: str = "yolov8n.yaml"
-    data: str
+    data: str = Field(..., description="data.yaml: a path on the nodes, or s3://bucket/prefix/data.yaml (staged)")
     epochs: int = Field(10, ge=1)
     imgsz: int = Field(640, ge=32)
     batch: int = Field(16, ge=1, description="images per worker per step")

@@ -104,6 +104,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
             "instance_type": rec.get("instance_type"),
             "zone": rec.get("zone"),
             "agent_version": rec.get("agent_version"),
+            "data": rec.get("data"),  # s3:// dataset staging (data/staging_agent.py)
         })
     if lease_ttls is None:
         lease_ttls = len(leases) <= AUTO_LEASE_TTL_MAX_NODES
@@ -270,11 +271,33 @@ def cost_text(view: dict[str, Any]) -> str:
     return text + f"  GOODPUT {'-' if ratio is None else f'{ratio * 100:.0f}%'}"
 
 
+def _data_text(d: Any) -> str:
+    """A node's dataset staging: `staging 42% 3.1s`, `ready 12.0s`, `cached 0.3s`, `failed: ...`."""
+    if not isinstance(d, dict):
+        return "-"
+    state, secs = d.get("state"), d.get("seconds")
+    took = f" {secs:.1f}s" if isinstance(secs, (int, float)) else ""
+    if state == "staging":
+        total, done = d.get("bytes") or 0, d.get("done_bytes") or 0
+        return f"staging {int(100 * done / total)}%{took}" if total else f"staging{took}"
+    if state == "ready":
+        return ("cached" if d.get("reused") else "ready") + took
+    if state == "failed":
+        return f"failed: {str(d.get('error') or '?')[:60]}"
+    return str(state)
+
+
 NODE_COLUMNS = ("NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE", "AGE", "NOTICE", "$/H", "SPENT",
                 "PREEMPTIBLE")
 
 
+def node_columns(view: dict[str, Any]) -> tuple[str, ...]:
+    """The node table's columns: DATA only while some node stages an s3:// dataset."""
+    return NODE_COLUMNS + (("DATA",) if any(n.get("data") for n in view["nodes"]) else ())
+
+
 def node_rows(view: dict[str, Any]) -> list[list[str]]:
+    show_data = "DATA" in node_columns(view)
     rows = []
     for n in view["nodes"]:
         ttl = n["lease_ttl_s"]
@@ -284,7 +307,7 @@ def node_rows(view: dict[str, Any]) -> list[list[str]]:
             _notice_text(n["notice"]), "-" if n["price_per_hour"] is None else f"{n['price_per_hour']:.3f}",
             _usd(n.get("spent_usd")),
             "-" if n["preemptible"] is None else ("yes" if n["preemptible"] else "no"),
-        ])
+        ] + ([_data_text(n.get("data"))] if show_data else []))
     return rows
 
 
@@ -294,14 +317,14 @@ RICH_MAX_ROWS = 200
 _RIGHT = ("SLOTS", "$/H", "SPENT")
 
 
-def _plain_table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(NODE_COLUMNS)]
+def _plain_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
 
     def line(cells: Any) -> str:
         return "   ".join(v.rjust(w) if c in _RIGHT else v.ljust(w)
-                          for c, v, w in zip(NODE_COLUMNS, cells, widths)).rstrip()
+                          for c, v, w in zip(columns, cells, widths)).rstrip()
 
-    return [line(NODE_COLUMNS), "─" * (sum(widths) + 3 * (len(widths) - 1))] + [line(r) for r in rows]
+    return [line(columns), "─" * (sum(widths) + 3 * (len(widths) - 1))] + [line(r) for r in rows]
 
 
 def render_table(view: dict[str, Any], *, color: bool = False, width: int | None = None) -> str:
@@ -320,15 +343,16 @@ def render_table(view: dict[str, Any], *, color: bool = False, width: int | None
     ]
     lines = ["  ".join(f"{k} {v}" for k, v in head), f"CHECKPOINT {_checkpoint_text(view['last_checkpoint'])}",
              cost_text(view), ""]
+    columns = node_columns(view)
     rows = node_rows(view)
     if not rows:
         lines.append("no nodes registered")
     elif len(rows) > RICH_MAX_ROWS and not color:
-        lines += _plain_table(rows)
+        lines += _plain_table(columns, rows)
     else:
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1),
                       header_style="bold" if color else "")
-        for col in NODE_COLUMNS:
+        for col in columns:
             table.add_column(col, no_wrap=True, justify="right" if col in _RIGHT else "left")
         for r in rows:
             style = "yellow" if color and r[7] != "-" else None

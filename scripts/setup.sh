@@ -21,6 +21,23 @@ if ! command -v etcd >/dev/null 2>&1 || ! command -v etcdctl >/dev/null 2>&1; th
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null
 fi
 
+# 1b. Tools the deployment tests use: systemd-analyze (unit verify/security), python3-seccomp
+#     (the unit's syscall filter, applied without systemd), shellcheck and cloud-init (deploy/
+#     scripts and user-data), strace (bench/unit_trace.py).
+missing=()
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+/usr/bin/python3 -c "import seccomp" 2>/dev/null || missing+=(python3-seccomp)
+command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
+command -v cloud-init >/dev/null 2>&1 || missing+=(cloud-init)
+command -v strace >/dev/null 2>&1 || missing+=(strace)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
 # 2. The venv with torch first (Horovod's build needs it).
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"

@@ -193,6 +193,7 @@ def test_worker_env_round_trip_and_one_set_of_names() -> None:
     assert worker_env.read(written) == env
     assert worker_env.read({}) == WorkerEnv()
     assert "secret" not in repr(env)
+    assert "secret" not in written.values() and "ELASTICYOLO_ETCD_PASSWORD" not in written  # a file path only
     # The CLI reads the same variables the agent writes for its workers.
     cli_env = {dest: name for dest, (name, _) in connect._SOURCES.items()}
     assert cli_env["etcd"] == settings.ENV_ENDPOINTS and cli_env["etcd_ca"] == settings.ENV_CA == "ELASTICYOLO_ETCD_CA"
@@ -247,7 +248,7 @@ def test_child_whose_parent_died_before_it_started_exits_at_once(tmp_path: Path)
 # ---- docs ---------------------------------------------------------------------------------------
 # A cited file: a path with a directory and a file extension, e.g. `engines/horovod/driver.py`
 # (relative to the repository, to the package, or to the document).
-_PATH_RE = re.compile(r"(?<![\w/.<-])((?:\.\./)?[\w.-]+(?:/[\w.-]+)*/[\w.-]+\.(?:py|md|yaml|yml|sh|service|toml|cfg|txt))\b")
+_PATH_RE = re.compile(r"(?<![\w/.<-])((?:\.\./)?[\w.-]+(?:/[\w.-]+)*/[\w.-]+\.(?:py|md|yaml|yml|sh|service|toml|cfg|txt))(?!\w|\.\w)")
 _LINK_RE = re.compile(r"\]\(([^)#\s]+)")
 # A bare module name (`launcher.py`): some file of the repository must have it.
 _NAME_RE = re.compile(r"(?<![\w/.<-])([\w-]+\.py)\b")

@@ -421,7 +421,8 @@ class Agent:
         while True:
             try:
                 # short retry window: this loop does the waiting, and honours the deadline
-                self.client.call("/kv/range", {"key": b64("\0"), "count_only": True},
+                # A key of our own prefix: etcd auth may limit the role to /elasticyolo/.
+                self.client.call("/kv/range", {"key": b64(self.keys.prefix), "count_only": True},
                                  retry_window=min(1.0, self.cfg.startup_timeout_s))
                 return
             except UnavailableError as exc:

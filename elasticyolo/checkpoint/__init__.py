@@ -27,7 +27,9 @@ def manager_for_spec(spec: object, job: str, **options: object) -> CheckpointMan
     uri = getattr(spec, "checkpoint", None)
     if not uri:
         return None
-    store = open_store(str(uri))
+    from elasticyolo.s3options import s3_options
+
+    store = open_store(str(uri), **s3_options(str(uri), spec))  # SSE etc. from the spec, else the agent
     return CheckpointManager(
         store, job,
         save_period_steps=int(getattr(spec, "save_period_steps", 200)),

@@ -28,7 +28,7 @@ _SOURCES = {
     "etcd_cert": (settings.ENV_CERT, "etcd_cert"),
     "etcd_key": (settings.ENV_KEY, "etcd_key"),
     "etcd_user": (settings.ENV_USER, "etcd_user"),
-    "etcd_password_file": ("ELASTICYOLO_ETCD_PASSWORD_FILE", "etcd_password_file"),
+    "etcd_password_file": (settings.ENV_PASSWORD_FILE, "etcd_password_file"),
 }
 
 
@@ -71,10 +71,14 @@ def resolve(args: argparse.Namespace, job_required: bool = True) -> dict[str, An
         values[dest] = v
     values["etcd_password"] = os.environ.get(settings.ENV_PASSWORD) or (file_values or {}).get("etcd_password")
     if values["etcd_password_file"]:
-        try:
-            values["etcd_password"] = Path(values["etcd_password_file"]).read_text().strip()
-        except OSError as exc:
-            raise UserError(f"etcd password file {values['etcd_password_file']}: {exc.strerror}") from None
+        from elasticyolo.cluster.secrets import read_password_file
+
+        values["etcd_password"] = read_password_file(values["etcd_password_file"])
+    if values["etcd_user"] and not values["etcd_password"]:
+        from elasticyolo.cluster.secrets import credential_path, read_password_file
+
+        if (cred := credential_path()) is not None:  # systemd LoadCredential=etcd-password:...
+            values["etcd_password"] = read_password_file(cred, "etcd password credential")
     if not values["etcd"]:
         raise UserError("no etcd endpoints: pass --etcd HOST:PORT[,...] or set ELASTICYOLO_ETCD")
     if isinstance(values["etcd"], list):
@@ -96,5 +100,5 @@ def client_from_args(args: argparse.Namespace, job_required: bool = True,
     keys = JobKeys(str(v["job"]))
     timeout = float(getattr(args, "etcd_timeout", 2.0) or 2.0)
     etcd = EtcdSettings.of(v["etcd"], ca=v["etcd_ca"], cert=v["etcd_cert"], key=v["etcd_key"], user=v["etcd_user"],
-                           password=v["etcd_password"])
+                           password=v["etcd_password"], password_file=v["etcd_password_file"])
     return etcd.client(timeout=timeout, retry_window=timeout if retry_window is None else retry_window), keys

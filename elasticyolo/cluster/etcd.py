@@ -33,8 +33,9 @@ from elasticyolo.errors import UnavailableError, UserError
 API_PATH = "/v3/"
 
 
-class EtcdError(Exception):
-    """etcd answered, but refused the request (permission denied, bad request, ...)."""
+class EtcdError(UserError):
+    """etcd answered, but refused the request (permission denied, bad request, ...). A UserError:
+    the CLI prints it as one line; the agent logs it and retries."""
 
 
 class LeaseNotFoundError(EtcdError):
@@ -181,6 +182,11 @@ class EtcdClient:
                                        **self.tls_request_args())
         except requests.exceptions.Timeout as ex:
             raise gw_exc.ConnectionTimeoutError(str(ex)) from ex
+        except requests.exceptions.SSLError as ex:
+            refusal = tls_refusal(ex, client.get_url(""), has_cert=bool(self._tls_args["cert_cert"]))
+            if refusal is not None:
+                raise refusal from None  # a certificate problem: no retry or failover fixes it
+            raise gw_exc.ConnectionFailedError(str(ex)) from ex
         except requests.exceptions.ConnectionError as ex:
             raise gw_exc.ConnectionFailedError(str(ex)) from ex
         if resp.status_code in _EXCEPTIONS_BY_CODE:
@@ -214,6 +220,12 @@ class EtcdClient:
                 raise _Transient(f"{self.endpoints[index]}: {text}") from exc
             if "lease not found" in text:
                 raise LeaseNotFoundError(text) from None
+            if "user name is empty" in text:
+                raise EtcdError("etcd: authentication is on and no user is configured: set etcd_user and its "
+                                "password (etcd_password_file, or the etcd-password credential)") from None
+            if "permission denied" in text:
+                raise EtcdError(f"etcd {path}: permission denied for user {self._user!r}: its role must allow "
+                                "readwrite on /elasticyolo/ (deploy/etcd/setup-auth.sh)") from None
             raise EtcdError(f"etcd {path}: {text}") from None
 
     def _rotate(self, failed_index: int, exc: BaseException) -> None:
@@ -351,8 +363,8 @@ class EtcdClient:
         return self.txn([cmp], [{"request_delete_range": {"key": bkey}}], [])["succeeded"]
 
     def revision(self) -> int:
-        """The current store revision."""
-        return int(self.call("/kv/range", {"key": _b64("\0"), "count_only": True})["header"]["revision"])
+        """The current store revision (read under /elasticyolo/: an etcd role may allow only that)."""
+        return int(self.call("/kv/range", {"key": _b64("/elasticyolo/"), "count_only": True})["header"]["revision"])
 
     # ---- leases -------------------------------------------------------------------------
     def lease_grant(self, ttl: int) -> int:
@@ -564,6 +576,32 @@ def _detail(exc: BaseException) -> str:
     except (ValueError, TypeError):
         pass
     return " ".join(str(text).split())[:300]
+
+
+# OpenSSL reasons that mean "this certificate will never be accepted" (not a flaky network).
+_PEER_REFUSED_CERT = ("ALERT_BAD_CERTIFICATE", "ALERT_CERTIFICATE_REQUIRED", "ALERT_UNKNOWN_CA",
+                      "ALERT_CERTIFICATE_UNKNOWN", "ALERT_CERTIFICATE_EXPIRED", "ALERT_CERTIFICATE_REVOKED",
+                      "ALERT_ACCESS_DENIED")
+_WE_REFUSED_CERT = ("CERTIFICATE_VERIFY_FAILED",)
+
+
+def tls_refusal(exc: BaseException, endpoint: str, has_cert: bool) -> UserError | None:
+    """A one-line UserError when a TLS handshake failed over a certificate, else None."""
+    text = str(exc)
+    m = re.search(r"\[SSL: ([A-Z0-9_]+)\] ([^(]+?)\s*\(_ssl", text)
+    code, reason = (m.group(1), m.group(2).strip()) if m else ("", "")
+    where = f"etcd {endpoint.rstrip('/').removesuffix(API_PATH.rstrip('/'))}"
+    if any(c in code for c in _PEER_REFUSED_CERT):
+        if not has_cert:
+            return UserError(f"{where}: TLS handshake refused ({reason}): the server requires a client certificate; "
+                             "set etcd_cert and etcd_key")
+        return UserError(f"{where}: TLS handshake refused ({reason}): the server does not accept our client "
+                         "certificate; use one signed by the cluster CA (etcd_cert, etcd_key)")
+    if any(c in code for c in _WE_REFUSED_CERT):
+        detail = text.split("certificate verify failed:", 1)[-1].split("(_ssl")[0].strip() or reason
+        return UserError(f"{where}: the server's TLS certificate is not trusted ({detail}); set etcd_ca to the "
+                         "cluster CA")
+    return None
 
 
 _TRANSIENT_MARKERS = ("leader changed", "no leader", "timed out", "timeout", "unavailable",

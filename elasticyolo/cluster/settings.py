@@ -5,8 +5,8 @@ Every process gets its settings from one of: the agent config (`from_config`), t
 environment / agent config file (`cluster/connect.py`), a worker's environment as its agent wrote
 it (`engines/worker_env.py`), or torchrun's `--rdzv-conf` plus the environment
 (`engines/torch/rendezvous.py`). All of them build their client with `EtcdSettings.client()`.
-Secrets (the password) travel only through the environment, never on a command line (`ps` shows
-it) nor through etcd.
+Secrets (the password) never travel on a command line (`ps` shows it) nor through etcd; children
+get it as a file path (`ELASTICYOLO_ETCD_PASSWORD_FILE`, `cluster/secrets.py`), not as a value.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from elasticyolo.cluster.secrets import PASSWORD_ENV, PASSWORD_FILE_ENV, child_password_env, password_from_env
 
 if TYPE_CHECKING:
     from elasticyolo.cluster.etcd import EtcdClient
@@ -24,9 +26,9 @@ ENV_CA = "ELASTICYOLO_ETCD_CA"
 ENV_CERT = "ELASTICYOLO_ETCD_CERT"
 ENV_KEY = "ELASTICYOLO_ETCD_KEY"
 ENV_USER = "ELASTICYOLO_ETCD_USER"
-ENV_PASSWORD = "ELASTICYOLO_ETCD_PASSWORD"
+ENV_PASSWORD, ENV_PASSWORD_FILE = PASSWORD_ENV, PASSWORD_FILE_ENV
 ENV_JOB = "ELASTICYOLO_JOB"  # the job name (`--job`)
-_FIELD_ENV = {"ca": ENV_CA, "cert": ENV_CERT, "key": ENV_KEY, "user": ENV_USER, "password": ENV_PASSWORD}
+_FIELD_ENV = {"ca": ENV_CA, "cert": ENV_CERT, "key": ENV_KEY, "user": ENV_USER}
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class EtcdSettings:
     key: str | None = None  # client key (PEM)
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    # Where the password was read from, handed to children as is (provenance, not identity).
+    password_file: str | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, endpoints: str | Sequence[str], **fields: Any) -> "EtcdSettings":
@@ -47,17 +51,20 @@ class EtcdSettings:
     def from_config(cls, cfg: Any) -> "EtcdSettings":
         """From an `AgentConfig`."""
         return cls.of(cfg.etcd, ca=cfg.etcd_ca, cert=cfg.etcd_cert, key=cfg.etcd_key, user=cfg.etcd_user,
-                      password=cfg.etcd_password)
+                      password=cfg.etcd_password, password_file=cfg.etcd_password_file)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "EtcdSettings":
         env = os.environ if environ is None else environ
-        return cls(env.get(ENV_ENDPOINTS, ""), **{f: env.get(var) or None for f, var in _FIELD_ENV.items()})
+        return cls(env.get(ENV_ENDPOINTS, ""), **{f: env.get(var) or None for f, var in _FIELD_ENV.items()},
+                   password=password_from_env(env), password_file=env.get(ENV_PASSWORD_FILE) or None)
 
     def to_env(self) -> dict[str, str]:
-        """The variables a child process needs to build the same client (empty ones left out)."""
+        """The variables a child process needs to build the same client (empty ones left out);
+        the password as a file path only."""
         out = {ENV_ENDPOINTS: self.endpoints} if self.endpoints else {}
         out.update({var: str(getattr(self, f)) for f, var in _FIELD_ENV.items() if getattr(self, f)})
+        out.update(child_password_env(self.password, self.password_file))
         return out
 
     def with_endpoints(self, endpoints: str | Sequence[str]) -> "EtcdSettings":

@@ -44,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", metavar="DIR",
                         help="node-local files of the jobs (snapshots, worker cwd; default /var/tmp/elasticyolo)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    data = parser.add_argument_group("datasets staged from S3 and S3 options (defaults for jobs)")
+    data.add_argument("--data-cache-dir", metavar="DIR", help="dataset cache (default $CACHE_DIRECTORY/datasets)")
+    data.add_argument("--data-cache-max-gb", type=float, metavar="GB", help="cache cap; LRU datasets not in use are evicted")
+    data.add_argument("--data-max-concurrency", type=int, metavar="N", help="parallel S3 transfers (default 16)")
+    data.add_argument("--s3-endpoint-url", metavar="URL", help="S3-compatible endpoint")
+    data.add_argument("--s3-region")
+    data.add_argument("--s3-profile")
+    data.add_argument("--s3-sse", choices=["AES256", "aws:kms", "aws:kms:dsse"], help="server-side encryption")
+    data.add_argument("--s3-kms-key-id", metavar="KEY")
     spot = parser.add_argument_group("spot interruption notices")
     spot.add_argument("--spot-provider", choices=PROVIDERS,
                       help="watch this cloud's metadata for interruption notices and drain on one (default none)")
@@ -60,7 +69,8 @@ _FLAG_FIELDS = ("etcd", "job", "node_id", "host", "addr", "slots", "ttl", "preem
                 "price_per_hour", "on_demand_price_per_hour", "price_table", "metrics_port", "metrics_addr", "drain_timeout_s", "startup_timeout_s", "etcd_ca",
                 "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_timeout", "handover", "log_level",
                 "spot_provider", "metadata_url", "notice_file", "spot_poll_interval", "drain_on_rebalance",
-                "drain_margin_s", "work_dir")
+                "drain_margin_s", "work_dir", "data_cache_dir", "data_cache_max_gb", "data_max_concurrency",
+                "s3_endpoint_url", "s3_region", "s3_profile", "s3_sse", "s3_kms_key_id")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_agent_config(args.config, {name: getattr(args, name) for name in _FLAG_FIELDS})
     log.configure(cfg.log_level)
+    from elasticyolo.data.staging_agent import DataStagingHook  # s3:// datasets, before slots are offered
+
     spot = SpotDrain.from_config(cfg)  # a bad --metadata-url fails here, before anything starts
-    agent = Agent(cfg, plugins=[spot, EngineDispatch()])
+    agent = Agent(cfg, plugins=[spot, DataStagingHook(cfg), EngineDispatch()])
     agent.signal_sink = spot.watcher.inject_signal
     return agent.run()

@@ -30,7 +30,12 @@ def _resolve(base: Path, entry: Any, key: str, where: str) -> list[str]:
 
 def load_data_yaml(path: str | Path) -> dict[str, Any]:
     """Return a data dict with absolute `train`/`val` paths, `nc`, `names` (index -> name) and
-    `channels`, ready for Ultralytics' dataset builders."""
+    `channels`, ready for Ultralytics' dataset builders. An `s3://.../data.yaml` resolves to its
+    staged copy on this node (data/staging.py)."""
+    if str(path).startswith("s3://"):
+        from elasticyolo.data.staging import resolve_data_yaml
+
+        path = resolve_data_yaml(str(path))
     p = Path(path)
     where = str(p)
     if not p.is_file():

@@ -25,10 +25,12 @@ from elasticyolo.testing.wait import wait_for
 
 class AgentCluster:
     def __init__(self, endpoints: str, job: str, workdir: Path, *, ttl: int = 2, prewarm: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, client: EtcdClient | None = None) -> None:
+        """`env` reaches agents and the CLI (TLS/auth: ELASTICYOLO_ETCD_CA, ...); `client`: one
+        with the same TLS/auth for the test's own reads."""
         self.endpoints, self.job, self.workdir, self.ttl = endpoints, job, workdir, ttl
         self.keys = JobKeys(job)
-        self.client = EtcdClient(endpoints)
+        self.client = client or EtcdClient(endpoints)
         self.trace_dir = workdir / "trace"
         self.agents: dict[str, AgentProcess] = {}
         self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_WORK_DIR": str(workdir / "nodes"),
@@ -86,13 +88,13 @@ class AgentCluster:
 
     def submit(self, *pairs: str) -> None:
         r = subprocess.run([ELASTICYOLO, "submit", "--etcd", self.endpoints, "--job", self.job, *pairs],
-                           capture_output=True, text=True, timeout=30)
+                           capture_output=True, text=True, timeout=30, env={**os.environ, **self.env})
         if r.returncode != 0:
             raise AssertionError(f"submit failed: {r.stderr}")
 
     def status(self, as_json: bool = True) -> Any:
         cmd = [ELASTICYOLO, "status", "--etcd", self.endpoints, "--job", self.job] + (["--json"] if as_json else [])
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={**os.environ, **self.env})
         if r.returncode != 0:
             raise AssertionError(f"status failed: {r.stderr}")
         return json.loads(r.stdout) if as_json else r.stdout

@@ -1,6 +1,9 @@
 """Start real etcd and S3 API (moto) servers on 127.0.0.1 for tests, benchmarks and the demo.
 
 Everything binds to loopback; data lives in a temp dir that goes away with the server.
+`EtcdCluster(tls=EtcdPki.generate(...))` runs the production setup from deploy/etcd: certificates
+from `make-certs.sh`, members configured from `etcd.conf.yml.template` (TLS for clients and
+peers, client certificates required, JWT tokens), and `enable_auth()` runs `setup-auth.sh`.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ import os
 import shutil
 import signal
 import socket
+import ssl
+import string
 import subprocess
 import sys
 import tempfile
@@ -16,6 +21,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+DEPLOY_ETCD = Path(__file__).resolve().parents[2] / "deploy" / "etcd"
 
 
 def free_port() -> int:
@@ -24,20 +32,52 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok=(200,)) -> None:  # type: ignore[type-arg]
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok=(200,),  # type: ignore[type-arg]
+               context: ssl.SSLContext | None = None) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
         try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
+            with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                 if resp.status in ok:
                     return
         except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
             last = exc
         time.sleep(0.05)
     raise TimeoutError(f"{url} did not answer within {timeout}s ({last})")
+
+
+@dataclass(frozen=True)
+class EtcdPki:
+    """Certificates made by deploy/etcd/make-certs.sh: CA, one cert per member, client certs
+    (`client-agent`: CN elasticyolo-agent; `client-root`: CN root, etcd's admin by certificate)."""
+
+    dir: Path
+
+    @classmethod
+    def generate(cls, out: Path, members: list[str], addrs: str = "127.0.0.1,localhost") -> "EtcdPki":
+        subprocess.run(["bash", str(DEPLOY_ETCD / "make-certs.sh"), str(out), *(f"{m}={addrs}" for m in members)],
+                       check=True, capture_output=True, timeout=120)
+        return cls(out)
+
+    @property
+    def ca(self) -> str:
+        return str(self.dir / "ca.pem")
+
+    def client(self, name: str = "agent") -> tuple[str, str]:
+        return str(self.dir / f"client-{name}.pem"), str(self.dir / f"client-{name}-key.pem")
+
+    def client_kwargs(self, name: str = "agent") -> dict[str, str]:
+        """EtcdClient TLS arguments for a client certificate."""
+        cert, key = self.client(name)
+        return {"ca_cert": self.ca, "cert_cert": cert, "cert_key": key}
+
+    def ssl_context(self, name: str = "agent") -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.load_cert_chain(*self.client(name))
+        return ctx
 
 
 @dataclass
@@ -65,6 +105,10 @@ class EtcdCluster:
     size: int = 1
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="elasticyolo-etcd-")))
     members: list[EtcdMember] = field(default_factory=list)
+    # TLS for clients and peers with client certificates required (deploy/etcd's setup); the
+    # member names must be among the certificates' members.
+    tls: EtcdPki | None = None
+    auth_user: str | None = None  # set by enable_auth()
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -78,7 +122,21 @@ class EtcdCluster:
     def endpoints(self) -> str:
         return ",".join(m.endpoint for m in self.members)
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def endpoint_urls(self) -> str:
+        return ",".join(f"{self.scheme}://{m.endpoint}" for m in self.members)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """TLS arguments for `EtcdClient` (empty without TLS)."""
+        return self.tls.client_kwargs() if self.tls else {}
+
     def _cmd(self, m: EtcdMember, state: str) -> list[str]:
+        if self.tls is not None:
+            return [shutil.which("etcd") or "/usr/bin/etcd", "--config-file", str(self._render_config(m, state))]
         initial = ",".join(f"{o.name}=http://127.0.0.1:{o.peer_port}" for o in self.members)
         return [
             shutil.which("etcd") or "/usr/bin/etcd",
@@ -97,12 +155,60 @@ class EtcdCluster:
             "--log-outputs", "stderr",
         ]
 
+    def _render_config(self, m: EtcdMember, state: str) -> Path:
+        """deploy/etcd/etcd.conf.yml.template filled in for one member (as envsubst would)."""
+        assert self.tls is not None
+        template = string.Template((DEPLOY_ETCD / "etcd.conf.yml.template").read_text())
+        text = template.substitute(
+            ETCD_NAME=m.name, ETCD_DATA_DIR=str(m.data_dir), ETCD_IP="127.0.0.1",
+            ETCD_CLIENT_PORT=m.client_port, ETCD_PEER_PORT=m.peer_port,
+            ETCD_INITIAL_CLUSTER=",".join(f"{o.name}=https://127.0.0.1:{o.peer_port}" for o in self.members),
+            ETCD_CLUSTER_TOKEN=self.root.name, ETCD_PKI=str(self.tls.dir), ETCD_HEARTBEAT_MS=50, ETCD_ELECTION_MS=500,
+        ).replace("initial-cluster-state: new", f"initial-cluster-state: {state}")
+        path = self.root / f"{m.name}.conf.yml"
+        path.write_text(text)
+        return path
+
+    def _wait_healthy(self, m: EtcdMember, timeout: float) -> None:
+        ctx = self.tls.ssl_context() if self.tls else None
+        _wait_http(f"{self.scheme}://{m.endpoint}/health", timeout, m.proc, context=ctx)
+
     def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        self.root.mkdir(parents=True, exist_ok=True)
         for m in self.members:
             self.start_member(m, wait=False)
         for m in self.members:
-            _wait_http(f"http://{m.endpoint}/health", timeout, m.proc)
+            self._wait_healthy(m, timeout)
         return self
+
+    def enable_auth(self, password_file: Path, user: str = "elasticyolo") -> None:
+        """deploy/etcd/setup-auth.sh: root by admin certificate only, `user` with a role limited
+        to /elasticyolo/, auth on. Needs TLS (the admin is identified by its certificate)."""
+        assert self.tls is not None, "enable_auth needs a TLS cluster"
+        r = subprocess.run(["bash", str(DEPLOY_ETCD / "setup-auth.sh"), self.endpoint_urls, str(self.tls.dir),
+                            str(password_file), user], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"setup-auth.sh failed: {r.stderr.strip() or r.stdout.strip()}")
+        self.auth_user = user
+
+    def leader_member(self) -> EtcdMember | None:
+        """The member that is the raft leader now (from each member's /v3/maintenance/status)."""
+        import json
+
+        ctx = self.tls.ssl_context() if self.tls else None
+        for m in self.members:
+            if not m.alive:
+                continue
+            req = urllib.request.Request(f"{self.scheme}://{m.endpoint}/v3/maintenance/status", data=b"{}",
+                                         method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=2, context=ctx) as resp:
+                    st = json.loads(resp.read())
+            except Exception:  # noqa: BLE001 - a member that does not answer is not the leader
+                continue
+            if st.get("leader") and st.get("leader") == st.get("header", {}).get("member_id"):
+                return m
+        return None
 
     def start_member(self, m: EtcdMember, wait: bool = True, timeout: float = 30.0) -> None:
         state = "existing" if m.data_dir.exists() else "new"
@@ -110,7 +216,7 @@ class EtcdCluster:
         m.proc = subprocess.Popen(self._cmd(m, state), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
         if wait:
-            _wait_http(f"http://{m.endpoint}/health", timeout, m.proc)
+            self._wait_healthy(m, timeout)
 
     def kill_member(self, m: EtcdMember) -> None:
         if m.proc is not None and m.proc.poll() is None:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from elasticyolo.checkpoint import CheckpointManager, open_store, read_latest, restore_latest
 from elasticyolo.log import get_logger
+from elasticyolo.s3options import s3_options
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.core import TrainCore
 from elasticyolo.train.state import build_core_checkpoint, load_core_checkpoint
@@ -29,7 +30,8 @@ class Checkpointer:
         self.manager: CheckpointManager | None = None
         self.store: Any = None
         if spec.checkpoint:
-            self.store = open_store(spec.checkpoint)
+            # The job's S3 options (SSE, endpoint, region, profile), else the agent's (env).
+            self.store = open_store(spec.checkpoint, **s3_options(spec.checkpoint, spec))
             self.store.check(write=rank == 0)  # one clear line for a bad URI, bucket or credentials
             self.manager = CheckpointManager(
                 self.store, job, save_period_steps=spec.save_period_steps, save_period_s=spec.save_period_s,

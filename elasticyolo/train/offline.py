@@ -16,10 +16,15 @@ FONTS = ("Arial.ttf", "Arial.Unicode.ttf")
 
 
 def config_root() -> Path:
-    base = os.environ.get("ELASTICYOLO_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "elasticyolo"
-    )
-    return Path(base)
+    """Where Ultralytics' config, fonts and matplotlib's cache go: `$ELASTICYOLO_HOME`, else the
+    systemd unit's StateDirectory (`$STATE_DIRECTORY`), else `$XDG_CACHE_HOME/elasticyolo`, else
+    `~/.cache/elasticyolo`. Under the shipped unit HOME is not writable: never fall back to it there."""
+    env = os.environ
+    if env.get("ELASTICYOLO_HOME"):
+        return Path(env["ELASTICYOLO_HOME"])
+    if env.get("STATE_DIRECTORY"):
+        return Path(env["STATE_DIRECTORY"].split(":")[0])
+    return Path(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "elasticyolo"
 
 
 def setup_offline() -> Path:

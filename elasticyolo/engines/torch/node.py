@@ -30,6 +30,7 @@ from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.keys import JOB_DONE
 from elasticyolo.cluster.settings import EtcdSettings
+from elasticyolo.data.staging_agent import data_ready
 from elasticyolo.engines.node import EngineNode
 from elasticyolo.engines.spawn import SupervisedProcess
 from elasticyolo.engines.torch.launcher import EXIT_CLOSED, LaunchSettings
@@ -122,6 +123,8 @@ class TorchNode(EngineNode):
         """The generation this node should be training, or None."""
         job = agent.job
         if agent.state is not NodeState.TRAINING or not job.active or job.spec is None:
+            return None
+        if not data_ready(agent.record.extra):  # its s3:// dataset is still being staged
             return None
         return job.generation
 
