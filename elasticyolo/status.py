@@ -313,7 +313,7 @@ def node_rows(view: dict[str, Any]) -> list[list[str]]:
 
 # rich lays out a table at about 1 ms per row: beyond this many nodes a plain table of the same
 # layout is written (a 1,000-node status stays fast; bench/membership.py).
-RICH_MAX_ROWS = 200
+RICH_MAX_ROWS = 100
 _RIGHT = ("SLOTS", "$/H", "SPENT")
 
 
