@@ -311,7 +311,7 @@ def node_rows(view: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-# rich lays out a table at about 1 ms per row: beyond this many nodes a plain table of the same
+# rich lays out a table at a few ms per row: beyond this many nodes a plain table of the same
 # layout is written (a 1,000-node status stays fast; bench/membership.py).
 RICH_MAX_ROWS = 100
 _RIGHT = ("SLOTS", "$/H", "SPENT")
