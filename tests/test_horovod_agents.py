@@ -87,7 +87,10 @@ def test_agent_killed_world_shrinks_then_new_agent_grows_it(cluster: AgentCluste
     # 1. SIGKILL a non-leader agent mid-epoch: its worker dies with it, the world shrinks to 2.
     leader = c.leader()
     victim = next(n for n in ("c", "b", "a") if n != leader)
-    c.wait(lambda: [s for s in c.steps(world=3) if s["start"] > 0], STEP_S, "a step in the middle of an epoch")
+    # The world may have started at 2 and grown (a node pre-warming slowly on a loaded box): kill
+    # once the LR ramp to world 3 is over, so the shrink ramps from 3.
+    c.wait(lambda: [s for s in c.steps(world=3) if s["start"] > 0 and s["lr_scale"] == pytest.approx(3.0)], STEP_S,
+           "a step in the middle of an epoch at world 3 after the LR ramp")
     children = c.kill(victim)
     t_kill = time.time()
     assert children, "the agent had no worker"
