@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from elasticyolo import __version__
 from elasticyolo.errors import UserError
@@ -21,14 +22,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train in this process (single node, no etcd)"),
     "data": ("data", "dataset tools (data synth: generate a small detection dataset)"),
     "checkpoints": ("checkpoints", "list, show, download or prune a job's checkpoints"),
+    "report": ("report", "draw a job's timeline: world size, samples/s, loss, mAP and events over time"),
     "discover-hosts": ("discover_hosts", "print host:slots lines for Horovod host discovery"),
     "worker": ("worker", "run one training worker (started by horovodrun or an agent)"),
     "demo": ("demo", "run the end-to-end local demo"),
 }
 
 
+# Long-running processes whose stderr is a log (journald, the agent's worker logs).
+DAEMONS = ("agent", "worker")
+# Set to see the traceback of an unexpected error instead of its one-line summary.
+DEBUG_ENV = "ELASTICYOLO_DEBUG"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (what, and where to look), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elasticyolo", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="elasticyolo", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"elasticyolo {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
@@ -54,9 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.name and exc.name.startswith("elasticyolo.commands"):
             print(f"elasticyolo: error: command '{name}' is not available in this build", file=sys.stderr)
             return 2
-        raise
-    parser = argparse.ArgumentParser(prog=f"elasticyolo {name}", description=help_text)
+        print(f"elasticyolo {name}: error: needs the Python package {exc.name!r}, which is not installed "
+              f"(worker-side commands need `pip install elasticyolo[train]`)", file=sys.stderr)
+        return 2
+    parser = OneLineParser(prog=f"elasticyolo {name}", description=help_text)
     module.add_arguments(parser)
+    _one_line_subparsers(parser)
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
@@ -65,6 +83,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # imported lazily by the command: a missing optional dependency
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"elasticyolo {name}: error: needs the Python package {exc.name!r}, which is not installed "
+              f"(worker-side commands need `pip install elasticyolo[train]`)", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path we cannot create, read or write: what failed and where
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"elasticyolo {name}: error: {os_error_text(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - never a traceback for a user; ELASTICYOLO_DEBUG=1 shows it
+        if os.environ.get(DEBUG_ENV):
+            raise
+        if name in DAEMONS:  # their stderr is a log: the traceback goes in one structured record
+            from elasticyolo.log import get_logger
+
+            get_logger("elasticyolo.cli").exception("crashed", command=name, error=f"{type(exc).__name__}: {exc}")
+        where = _innermost_frame(exc)
+        print(f"elasticyolo {name}: error: {type(exc).__name__}: {_first_line(exc)} (at {where}; "
+              f"{DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def os_error_text(exc: OSError) -> str:
+    """`<path>: <reason>` for a filesystem error (the path that failed, not only its errno)."""
+    reason = exc.strerror or _first_line(exc) or type(exc).__name__
+    if exc.filename is not None:
+        target = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+        return f"{target}: {reason}"
+    return reason
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _innermost_frame(exc: BaseException) -> str:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    return f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
+
+
+def _one_line_subparsers(parser: argparse.ArgumentParser) -> None:
+    """Sub-actions (`data synth`, `checkpoints list`) get one-line errors too."""
+    for action in parser._actions:  # argparse has no public accessor for its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.__class__ = OneLineParser
+                _one_line_subparsers(sub)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -54,7 +54,9 @@ class AgentConfig(S3Settings):
     preemptible: bool = True
     instance_type: str | None = None
     zone: str | None = None
-    price_per_hour: float | None = Field(None, ge=0)
+    price_per_hour: float | None = Field(None, ge=0, description="USD per hour this VM costs (see elasticyolo/cost.py)")
+    on_demand_price_per_hour: float | None = Field(None, ge=0, description="USD per hour of the same VM on demand")
+    price_table: str | None = Field(None, description="YAML instance_type: {spot: USD, on_demand: USD}")
 
     # behaviour
     ttl: int = Field(5, ge=1, le=300, description="lease TTL in seconds")

@@ -70,6 +70,16 @@ class TrainSpec(S3Settings):
     gloo_timeout_s: int = Field(30, ge=1)
     elastic_timeout_s: int = Field(600, ge=1)
 
+    # Run outputs and model selection (Ultralytics' meanings).
+    project: str = Field("runs", description="parent of the run folder (`elasticyolo train`)")
+    name: str | None = Field(None, description="run folder name (default: the job name); an existing one gets "
+                                               "a number appended unless exist_ok")
+    exist_ok: bool = False
+    patience: int = Field(100, ge=0, description="stop after this many epochs without a better fitness (0: never)")
+    save_period: int = Field(-1, description="also keep weights/epoch{N}.pt every N epochs (< 1: off)")
+    resume: str | None = Field(None, description="true (the newest run's weights/last.pt) or a last.pt path "
+                                                 "(`elasticyolo train`; cluster jobs resume from checkpoint=)")
+
     # Checkpoints.
     checkpoint: str | None = Field(None, description="store URI: s3://bucket/prefix or file:///path")
     save_period_steps: int = Field(200, ge=0)
@@ -113,6 +123,20 @@ class TrainSpec(S3Settings):
             raise ValueError(f"{v!r} is not a valid value: expected ram, disk or false (true means ram)")
         return value
 
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume(cls, v: Any) -> str | None:
+        text = "" if v is None else str(v).strip()
+        return None if text.lower() in ("", "false", "none", "0", "no") else ("true" if text.lower() in (
+            "true", "1", "yes") else text)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or "/" in v or v in (".", "..")):
+            raise ValueError(f"{v!r} is not a folder name (use project= for the parent folder)")
+        return v
+
     @field_validator("hyp")
     @classmethod
     def _hyp_keys(cls, v: dict[str, float]) -> dict[str, float]:
@@ -146,11 +170,18 @@ class TrainSpec(S3Settings):
         UserError naming the key."""
         values: dict[str, Any] = dict(defaults)
         hyp: dict[str, float] = dict(values.pop("hyp", {}) or {})
-        for word in pairs:
+        words = list(pairs)
+        for word in words:
             if "=" not in word:
                 raise UserError(f"{where}: expected key=value, got {word!r}")
+        cfg_words = [w.partition("=")[2] for w in words if w.partition("=")[0].strip() == "cfg"]
+        if cfg_words:  # Ultralytics' cfg=FILE.yaml: its options first, the command line's override them
+            words = cfg_pairs(cfg_words[-1]) + [w for w in words if w.partition("=")[0].strip() != "cfg"]
+        for word in words:
             key, _, raw = word.partition("=")
             key = key.strip()
+            if key in UNSUPPORTED_ULTRALYTICS:
+                raise UserError(f"{where}: {key}= is not supported: {UNSUPPORTED_ULTRALYTICS[key]}")
             if key in ULTRALYTICS_PASSTHROUGH:
                 try:
                     hyp[key] = float(raw)
@@ -195,6 +226,66 @@ class TrainSpec(S3Settings):
         out["model"] = self.model
         out["data"] = self.data
         return out
+
+
+# Ultralytics options elasticyolo does not take, and what to use instead (one line each).
+UNSUPPORTED_ULTRALYTICS = {
+    "save_dir": "use project= and name=",
+    "time": "use epochs=",
+    "fraction": "write a smaller data.yaml (elasticyolo data synth, or a list file)",
+    "pretrained": "use model=PATH.pt for a local checkpoint (nothing is downloaded)",
+    "rect": "training batches are shuffled shards of the elastic sampler (validation is rect)",
+    "multi_scale": "train at one imgsz=",
+    "freeze": "not supported by the elastic trainer",
+    "single_cls": "relabel the dataset",
+    "batch_size": "use batch= (images per worker per step)",
+}
+
+
+def cfg_pairs(path: str) -> list[str]:
+    """The `key=value` words of an Ultralytics-style cfg YAML. Keys elasticyolo does not know are
+    skipped when their value is Ultralytics' default (a copy of default.yaml works), else refused."""
+    import yaml
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise UserError(f"cfg={path}: file not found") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"cfg={path}: cannot read it: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"cfg={path}: expected a mapping of option: value")
+    defaults = ultralytics_defaults()
+    words = []
+    for key, value in data.items():
+        key = str(key)
+        known = key in TrainSpec.model_fields or key in ULTRALYTICS_PASSTHROUGH
+        if not known and key in defaults and defaults[key] == value:
+            continue
+        if not known and key not in UNSUPPORTED_ULTRALYTICS:
+            raise UserError(f"cfg={path}: unknown option {key!r} (see `elasticyolo train --help`)")
+        if value is None:  # Ultralytics' "not set": our default applies
+            continue
+        words.append(f"{key}={value}")
+    return words
+
+
+def ultralytics_defaults() -> dict[str, Any]:
+    """Ultralytics' default.yaml, read as a file (importing Ultralytics would import torch)."""
+    import importlib.util
+    from pathlib import Path
+
+    import yaml
+
+    spec = importlib.util.find_spec("ultralytics")
+    if spec is None or not spec.origin:
+        return {}
+    try:
+        return yaml.safe_load((Path(spec.origin).parent / "cfg" / "default.yaml").read_text()) or {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _one_line(exc: ValidationError) -> str:

@@ -12,12 +12,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from elasticyolo import cost
 from elasticyolo.cluster.etcd import EtcdClient, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
 
 _SINGLE_KEYS = ("leader", "spec", "state", "world", "progress", "checkpoint_latest")
 # Drain-related events shown by status (the newest EVENTS_SHOWN of the job's event log).
-EVENT_KINDS = ("notice", "drain_start", "drain_end")
+EVENT_KINDS = ("notice", "drain_start", "drain_end", "cost")
 EVENTS_SCANNED, EVENTS_SHOWN = 50, 8
 
 
@@ -94,6 +95,10 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
             "age_s": round(now - started, 1) if started else None,
             "notice": rec.get("notice"),
             "price_per_hour": rec.get("price_per_hour"),
+            "on_demand_per_hour": rec.get("on_demand_per_hour"),
+            "price_source": rec.get("price_source"),
+            "started_at": started or None,
+            "spent_usd": _round(cost.node_spend(rec.get("price_per_hour"), started, now)),
             "host": rec.get("host"),
             "addr": rec.get("addr"),
             "instance_type": rec.get("instance_type"),
@@ -109,6 +114,12 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
             node["lease_ttl_s"] = ttls.get(lease)
 
     world_size = world.get("world_size", progress.get("world_size"))
+    job_cost = cost.job_cost(nodes, now)
+    steady = progress.get("steady_samples_s_per_worker")
+    paid_slots = sum(int(n["slots"] or 0) for n in nodes if n["price_per_hour"] is not None) or \
+        sum(int(n["slots"] or 0) for n in nodes)
+    epochs_done = _epochs_done(progress)
+    job_cost["usd_per_epoch"] = cost.usd_per_epoch(job_cost["spent_usd"], epochs_done)
     return {
         "job": keys.job,
         "state": job_state,
@@ -119,6 +130,12 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
         "step": progress.get("step", world.get("step")),
         "samples_s": progress.get("samples_s"),
         "progress_at": progress.get("at"),
+        "epochs_done": epochs_done,
+        "cost": job_cost,
+        "goodput": {"ratio": cost.goodput(progress.get("samples_s"), steady, paid_slots),
+                    "samples_s": progress.get("samples_s"), "steady_samples_s_per_worker": steady,
+                    "paid_slots": paid_slots},
+        "at": now,
         "last_checkpoint": checkpoint or world.get("last_checkpoint"),
         "spec": spec,
         "revision": int(result["header"]["revision"]),
@@ -126,6 +143,19 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
         "events": events,
         "last_resume": last_resume,
     }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 6)
+
+
+def _epochs_done(progress: dict[str, Any]) -> float | None:
+    """Epochs trained, with the current one's fraction (from the progress record)."""
+    epoch, consumed, n = progress.get("epoch"), progress.get("consumed"), progress.get("num_samples")
+    if not isinstance(epoch, (int, float)):
+        return None
+    frac = consumed / n if isinstance(consumed, (int, float)) and isinstance(n, (int, float)) and n else 0.0
+    return round(epoch + frac, 6)
 
 
 def _dict(v: tuple[Any, int] | None) -> dict[str, Any]:
@@ -212,6 +242,8 @@ def _event_text(ev: dict[str, Any]) -> str:
     if kind == "notice":
         what = f"{ev.get('provider')} {ev.get('notice_kind')} notice"
         detail = f"drain={'yes' if ev.get('drain') else 'no'}, {ev.get('seconds_left')}s left"
+    elif kind == "cost":
+        return f"{at}  {ev.get('node')}  job ended: {ev.get('summary')}"
     elif kind == "drain_start":
         what, detail = "drain started", f"{ev.get('reason')}, deadline in {ev.get('deadline_in_s')}s"
     else:
@@ -219,6 +251,24 @@ def _event_text(ev: dict[str, Any]) -> str:
         detail = (f"{ev.get('notice_to_drained_s')}s after the notice, lost steps {_fmt(ev.get('lost_steps'))}, "
                   f"mode {_fmt(ev.get('mode'))}, step {_fmt(ev.get('committed_step'))}")
     return f"{at}  {ev.get('node')}  {what}: {detail}"
+
+
+def _usd(v: Any) -> str:
+    return "-" if v is None else f"${v:,.2f}" if abs(v) >= 100 else f"${v:.3f}"
+
+
+def cost_text(view: dict[str, Any]) -> str:
+    c, g = view.get("cost") or {}, view.get("goodput") or {}
+    if c.get("spent_usd") is None:
+        text = "COST - (no node has a price: --price-per-hour or --price-table)"
+    else:
+        text = (f"COST {_usd(c['spent_usd'])} spent  ON-DEMAND {_usd(c.get('on_demand_usd'))}  "
+                f"SAVED {_usd(c.get('savings_usd'))}  BURN {_usd(c.get('burn_usd_per_hour'))}/h  "
+                f"PER EPOCH {_usd(c.get('usd_per_epoch'))}")
+        if c.get("unpriced_nodes"):
+            text += f"  ({c['unpriced_nodes']} unpriced)"
+    ratio = g.get("ratio")
+    return text + f"  GOODPUT {'-' if ratio is None else f'{ratio * 100:.0f}%'}"
 
 
 def _data_text(d: Any) -> str:
@@ -237,33 +287,81 @@ def _data_text(d: Any) -> str:
     return str(state)
 
 
-def render_table(view: dict[str, Any]) -> str:
-    head = [
-        ("JOB", view["job"]), ("STATE", view["state"]), ("WORLD", _fmt(view["world_size"])),
-        ("EPOCH", _fmt(view["epoch"])), ("STEP", _fmt(view["step"])), ("SAMPLES/S", _fmt(view["samples_s"])),
-        ("LEADER", f"{view['leader']} (term {view['leader_term']})" if view["leader"] else "-"),
-    ]
-    lines = ["  ".join(f"{k} {v}" for k, v in head), f"CHECKPOINT {_checkpoint_text(view['last_checkpoint'])}", ""]
-    cols = ["NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE", "AGE", "NOTICE", "PRICE", "PREEMPTIBLE"]
-    show_data = any(n.get("data") for n in view["nodes"])
-    if show_data:
-        cols.append("DATA")
+NODE_COLUMNS = ("NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE", "AGE", "NOTICE", "$/H", "SPENT",
+                "PREEMPTIBLE")
+
+
+def node_columns(view: dict[str, Any]) -> tuple[str, ...]:
+    """The node table's columns: DATA only while some node stages an s3:// dataset."""
+    return NODE_COLUMNS + (("DATA",) if any(n.get("data") for n in view["nodes"]) else ())
+
+
+def node_rows(view: dict[str, Any]) -> list[list[str]]:
+    show_data = "DATA" in node_columns(view)
     rows = []
     for n in view["nodes"]:
         ttl = n["lease_ttl_s"]
         rows.append([
             n["id"], _fmt(n["state"]), _fmt(n["slots"]), _fmt(n["ranks"]), "*" if n["leader"] else "",
             "-" if ttl is None else ("expired" if ttl < 0 else f"{ttl}s"), _ago(n["age_s"]),
-            _notice_text(n["notice"]), _fmt(n["price_per_hour"]),
+            _notice_text(n["notice"]), "-" if n["price_per_hour"] is None else f"{n['price_per_hour']:.3f}",
+            _usd(n.get("spent_usd")),
             "-" if n["preemptible"] is None else ("yes" if n["preemptible"] else "no"),
         ] + ([_data_text(n.get("data"))] if show_data else []))
+    return rows
+
+
+# rich lays out a table at a few ms per row: beyond this many nodes a plain table of the same
+# layout is written (a 1,000-node status stays fast; bench/membership.py).
+RICH_MAX_ROWS = 100
+_RIGHT = ("SLOTS", "$/H", "SPENT")
+
+
+def _plain_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+
+    def line(cells: Any) -> str:
+        return "   ".join(v.rjust(w) if c in _RIGHT else v.ljust(w)
+                          for c, v, w in zip(columns, cells, widths)).rstrip()
+
+    return [line(columns), "─" * (sum(widths) + 3 * (len(widths) - 1))] + [line(r) for r in rows]
+
+
+def render_table(view: dict[str, Any], *, color: bool = False, width: int | None = None) -> str:
+    """The status as text: a summary, the cost line, the nodes (a `rich` table) and recent events.
+    Plain text unless `color`; `width` None = wide enough never to wrap (pipes, files)."""
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    head = [
+        ("JOB", view["job"]), ("STATE", view["state"]), ("WORLD", _fmt(view["world_size"])),
+        ("EPOCH", _fmt(view["epoch"])), ("STEP", _fmt(view["step"])), ("SAMPLES/S", _fmt(view["samples_s"])),
+        ("LEADER", f"{view['leader']} (term {view['leader_term']})" if view["leader"] else "-"),
+    ]
+    lines = ["  ".join(f"{k} {v}" for k, v in head), f"CHECKPOINT {_checkpoint_text(view['last_checkpoint'])}",
+             cost_text(view), ""]
+    columns = node_columns(view)
+    rows = node_rows(view)
     if not rows:
         lines.append("no nodes registered")
+    elif len(rows) > RICH_MAX_ROWS and not color:
+        lines += _plain_table(columns, rows)
     else:
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        lines.append("   ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1),
+                      header_style="bold" if color else "")
+        for col in columns:
+            table.add_column(col, no_wrap=True, justify="right" if col in _RIGHT else "left")
         for r in rows:
-            lines.append("   ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+            style = "yellow" if color and r[7] != "-" else None
+            table.add_row(*r, style=style)
+        out = io.StringIO()
+        console = Console(file=out, width=width or 1000, color_system="standard" if color else None,
+                          force_terminal=color, highlight=False, soft_wrap=False)
+        console.print(table)
+        lines += [line.rstrip() for line in out.getvalue().rstrip("\n").splitlines()]
     if view.get("events"):
         lines += ["", "EVENTS"] + ["  " + _event_text(ev) for ev in view["events"]]
     return "\n".join(lines)

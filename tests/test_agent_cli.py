@@ -73,6 +73,8 @@ def test_submit_and_status_errors(etcd_server: EtcdCluster, job_name: str) -> No
     assert_one_error_line(r, 2, "data: Field required")
     r = run_cli("submit", "--etcd", ep, "--job", "Bad Name", "data=d.yaml")
     assert_one_error_line(r, 2, "job name 'Bad Name' is invalid")
+    r = run_cli("submit", "--etcd", ep, "--job", job_name, "data=d.yaml", "resume=true")
+    assert_one_error_line(r, 2, "a cluster job resumes by itself from its checkpoint store")
     r = run_cli("cancel", "--etcd", ep, "--job", job_name)
     assert_one_error_line(r, 2, "has no spec")
     assert nothing_written(etcd_server, job_name)

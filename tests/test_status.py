@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from elasticyolo.testing.agents import ELASTICYOLO
 from elasticyolo.cluster.etcd import EtcdClient
@@ -52,10 +53,12 @@ def test_collect_and_render(etcd_server: EtcdCluster, job_name: str) -> None:
     lines = table.splitlines()
     assert lines[0].startswith(f"JOB {job_name}  STATE running  WORLD 3  EPOCH 2  STEP 340  SAMPLES/S 123.40")
     assert "s3://b/job/step-300 (epoch 2, step 300, 30s ago)" in lines[1] or "31s ago" in lines[1]
-    header = lines[3].split()
+    assert lines[2].startswith("COST $") and "BURN $4.500/h" in lines[2]  # 0.5 + 1.5 + 2.5 per hour
+    header = lines[4].split()
     assert header[:6] == ["NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE"]
-    row0 = lines[4].split()
-    assert row0[0] == "gpu-0" and "*" in row0 and "terminate@2026-01-01T00:00:00Z" in lines[6]
+    assert set(lines[5]) == {"─"}  # rich's header rule
+    row0 = lines[6].split()
+    assert row0[0] == "gpu-0" and "*" in row0 and "terminate@2026-01-01T00:00:00Z" in lines[8]
 
 
 def test_status_cli_json_and_speed(etcd_server: EtcdCluster, job_name: str) -> None:
@@ -104,3 +107,79 @@ def test_cli_paths_never_import_torch() -> None:
              "print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'structlog', 'torch', 'yaml'}))")
     r2 = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True, timeout=60)
     assert r2.stdout.strip() == "[]", r2.stdout + r2.stderr
+
+
+def _pty_run(argv: list[str], until: Callable[[str], bool], timeout: float = 30,
+             interrupt: bool = False) -> tuple[int, str]:
+    """Run `argv` on a pseudo-terminal (as a person at a terminal does) until `until(output)`;
+    then, with `interrupt`, send Ctrl-C. Returns (exit status, everything it drew)."""
+    import os
+    import select
+    import signal
+
+    master, slave = os.openpty()
+    os.set_blocking(master, False)
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                            env={**os.environ, "COLUMNS": "160", "LINES": "40", "TERM": "xterm-256color"})
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + timeout
+    interrupted = False
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the pty closed: the process exited
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            if not interrupted and until(out.decode(errors="replace")):
+                if not interrupt:
+                    break
+                proc.send_signal(signal.SIGINT)
+                interrupted = True
+            if proc.poll() is not None and not ready:
+                break
+        return proc.wait(10), out.decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
+
+
+def test_status_table_and_watch_on_a_terminal(etcd_server: EtcdCluster, job_name: str) -> None:
+    e = EtcdClient(etcd_server.endpoints)
+    seed(e, JobKeys(job_name))
+    base = [ELASTICYOLO, "status", "--etcd", etcd_server.endpoints, "--job", job_name]
+    rc, text = _pty_run(base, until=lambda out: False)
+    assert rc == 0 and "NODE" in text and "gpu-2" in text and "COST $" in text, text
+    assert "\x1b[" in text  # a terminal gets colour
+    # --watch redraws in place until Ctrl-C, then leaves the terminal as it was and exits 0.
+    rc, text = _pty_run(base + ["--watch", "--interval", "0.2"], interrupt=True,
+                        until=lambda out: out.count("every 0.2s") >= 3)
+    assert rc == 0, text
+    assert text.count("every 0.2s") >= 3 and "gpu-0" in text and "Traceback" not in text
+    assert "\x1b[?1049h" in text and "\x1b[?1049l" in text  # alternate screen entered and left
+
+
+def test_big_tables_keep_the_layout_and_stay_fast() -> None:
+    from elasticyolo.status import RICH_MAX_ROWS
+
+    def view(n: int) -> dict:
+        nodes = [{"id": f"node-{i:04d}", "state": "TRAINING", "slots": 8, "ranks": [i], "leader": i == 0,
+                  "lease_ttl_s": 4, "age_s": 600, "notice": None, "price_per_hour": 0.4, "spent_usd": 0.1,
+                  "preemptible": True} for i in range(n)]
+        return {"job": "j", "state": "running", "world_size": n, "epoch": 1, "step": 1, "samples_s": 1.0,
+                "leader": "node-0000", "leader_term": 1, "last_checkpoint": None, "cost": {}, "goodput": {},
+                "nodes": nodes, "events": []}
+
+    small = render_table(view(3)).splitlines()
+    t0 = time.perf_counter()
+    big = render_table(view(RICH_MAX_ROWS + 800)).splitlines()
+    assert time.perf_counter() - t0 < 1.0
+    assert len(big) == 4 + 2 + RICH_MAX_ROWS + 800
+    assert big[4] == small[4] and big[6] == small[6]  # header and first row, as rich draws them

@@ -7,6 +7,7 @@ to the end with a checkpoint store and a resubmission resumes from the store, an
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from elasticyolo.testing.agents import AgentProcess  # noqa: E402
+from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess  # noqa: E402
 from elasticyolo.cluster.etcd import EtcdClient  # noqa: E402
 from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402
@@ -59,8 +60,9 @@ class TorchJob:
     def submit(self, pairs: list[str], replace: bool = False) -> None:
         assert submit_spec(self.client, self.keys, TrainSpec.from_pairs(pairs), by="test", replace=replace)
 
-    def start(self, node: str) -> AgentProcess:
-        agent = AgentProcess(self.endpoints, self.job, node, ttl=self.ttl, log_dir=self.tmp, env=self.env).start()
+    def start(self, node: str, extra: list[str] | None = None) -> AgentProcess:
+        agent = AgentProcess(self.endpoints, self.job, node, ttl=self.ttl, log_dir=self.tmp, env=self.env,
+                             extra=list(extra or [])).start()
         self.agents[node] = agent
         return agent
 
@@ -194,6 +196,26 @@ def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, jo
     final = max(e["step"] for e in job.events("done"))
     manifests = list_manifests(open_store(store_uri), job_name)
     assert manifests and manifests[-1].step == final
+    # Ultralytics' run folder, published next to the checkpoints by rank 0.
+    run_dir = tmp_path / "ckpt" / job_name / "run"
+    assert (run_dir / "results.csv").read_text().splitlines()[0].startswith("epoch,time,train/box_loss,")
+    assert len((run_dir / "results.csv").read_text().splitlines()) == 3  # header + 2 epochs
+    assert {"args.yaml", "results.png"} <= {p.name for p in run_dir.iterdir()}
+    best = tmp_path / "best.pt"
+    r = subprocess.run([ELASTICYOLO, "checkpoints", "download", "--best", "--job", job_name, "--store", store_uri,
+                        "-o", str(best)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and best.stat().st_size == (run_dir / "weights" / "best.pt").stat().st_size, r.stderr
+    assert (run_dir / "timeline.png").stat().st_size > 0  # drawn by rank 0 at the job's end
+    out = tmp_path / "timeline.png"
+    r = subprocess.run([ELASTICYOLO, "report", "--job", job_name, "--etcd", etcd_server.endpoints, "--store",
+                        store_uri, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint" in r.stdout and "join" in r.stdout and "leader" in r.stdout, r.stdout
+    from PIL import Image
+
+    with Image.open(out) as im:
+        im.load()
+        assert im.size == (1200, 900)
 
     # A new submission of the same job (one more epoch) gets a new rendezvous and a new local
     # snapshot directory: the newest state is the store's.
@@ -204,6 +226,8 @@ def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, jo
     resume = [e for e in job.events("resume") if e["t"] > t_resubmit][0]
     assert (resume["source"], resume["step"], resume["epoch"], resume["consumed"]) == ("store", final, 2, 0), resume
     assert all(e["epoch"] == 2 for e in job.events("step") if e["t"] > t_resubmit)
+    # The resumed run continues the same results.csv (its rows come from the checkpointed history).
+    assert [line.split(",")[0] for line in (run_dir / "results.csv").read_text().splitlines()[1:]] == ["1", "2", "3"]
 
 
 def test_etcd_member_sigkilled_mid_training(etcd_cluster3, job_name, dataset, jobs) -> None:
@@ -240,7 +264,7 @@ def test_status_shows_progress_and_last_checkpoint_of_a_running_torch_job(etcd_s
 
     job = jobs(etcd_server.endpoints, job_name)
     job.submit(spec_pairs(dataset, epochs=200, checkpoint=f"file://{tmp_path / 'ckpt'}", save_period_steps=2))
-    job.start("a")
+    job.start("a", extra=["--price-per-hour", "0.36", "--on-demand-price-per-hour", "1.2"])
     view = job.wait(lambda: (lambda v: v if v["state"] == "running" and (v["step"] or 0) >= 2
                              and (v["last_checkpoint"] or {}).get("step") else None)(status()), 150,
                     "status to show a running torch job with its step and last checkpoint")
@@ -248,6 +272,19 @@ def test_status_shows_progress_and_last_checkpoint_of_a_running_torch_job(etcd_s
     ck = view["last_checkpoint"]
     assert ck["uri"].startswith(f"file://{tmp_path / 'ckpt'}") and ck["step"] <= view["step"] and ck["size"] > 0
     assert view["last_resume"]["reason"] == "start" and view["last_resume"]["source"] == "fresh"
+    # Live cost and goodput of the priced node, once rank 0 has a steady rate (after 10 steps).
+    view = job.wait(lambda: (lambda v: v if v["goodput"]["steady_samples_s_per_worker"] else None)(status()), 150,
+                    "a steady samples/s in the progress record")
+    node = view["nodes"][0]
+    started = json.loads(job.client.get(job.keys.node("a"))[0])["started_at"]  # when its lease was granted
+    hours = (view["at"] - started) / 3600
+    assert node["started_at"] == started and node["spent_usd"] == pytest.approx(0.36 * hours, abs=1e-6)
+    assert view["cost"]["spent_usd"] == pytest.approx(0.36 * hours, abs=1e-6)
+    assert view["cost"]["savings_usd"] == pytest.approx((1.2 - 0.36) * hours, abs=2e-6)
+    g = view["goodput"]
+    assert g["paid_slots"] == 1 and g["ratio"] == pytest.approx(g["samples_s"] / g["steady_samples_s_per_worker"],
+                                                                abs=1e-6)
+    assert 0 < g["ratio"] <= 1.001  # the steady rate is the best seen so far, this one included
     workers = {e["pid"] for e in job.events("resume")}
     job.cancel()
     job.wait(lambda: all(gone(p) for p in workers), 60, "workers stopped after cancel")

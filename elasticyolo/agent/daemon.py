@@ -24,15 +24,24 @@ from elasticyolo.agent.state import NodeState, Observation, Transition, decide
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
 from elasticyolo.cluster.jobs import submit_spec
-from elasticyolo.cluster.keys import JOB_SUBMITTED, JobKeys
+from elasticyolo.cluster.keys import JOB_CANCELLED, JOB_DONE, JOB_FAILED, JOB_SUBMITTED, JobKeys
 from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.config import AgentConfig
+from elasticyolo.cost import NodePrice, load_price_table, resolve_price
 from elasticyolo.errors import UnavailableError, UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 
 EVENTS_KEPT = 1000
+
+
+def node_price(cfg: AgentConfig) -> NodePrice:
+    """This node's price per hour and on-demand equivalent (elasticyolo/cost.py: where each comes from)."""
+    table = load_price_table(cfg.price_table) if cfg.price_table else None
+    return resolve_price(price_per_hour=cfg.price_per_hour, on_demand_per_hour=cfg.on_demand_price_per_hour,
+                         instance_type=cfg.instance_type, preemptible=cfg.preemptible, table=table,
+                         table_name=os.path.basename(cfg.price_table or ""))
 
 
 @dataclass
@@ -59,11 +68,13 @@ class Agent:
         self.metrics = AgentMetrics(cfg.node_id, cfg.job)
         self._state = NodeState.JOINING
         self._job = JobView(None, None, (0, 0))
+        self._job_read = False
+        price = node_price(cfg)
         self.record = NodeRecord(
             node_id=cfg.node_id, host=cfg.host, addr=cfg.addr, slots=cfg.slots, state=self.state.value,
             preemptible=cfg.preemptible, instance_type=cfg.instance_type, zone=cfg.zone,
-            price_per_hour=cfg.price_per_hour, agent_version=__version__, started_at=time.time(),
-            pid=os.getpid(),
+            price_per_hour=price.per_hour, agent_version=__version__, started_at=time.time(),
+            pid=os.getpid(), extra={"on_demand_per_hour": price.on_demand_per_hour, "price_source": price.source},
         )
         self.registration = NodeRegistration(self.client, self.keys, self.record, cfg.ttl,
                                              on_lease_lost=self.wake, on_renew=self.metrics.observe_renew)
@@ -102,6 +113,17 @@ class Agent:
         if timeout is not None:
             return settings.client(timeout=timeout, retry_window=timeout)
         return settings.client(timeout=cfg.etcd_timeout, retry_window=max(cfg.etcd_timeout, cfg.ttl / 2))
+
+    def _job_view(self) -> dict[str, Any]:
+        """The job as `status --json` shows it (for /metrics scrapes; its own short-timeout client)."""
+        from elasticyolo.status import collect
+
+        return collect(self._scrape_client(), self.keys, lease_ttls=False)
+
+    def _scrape_client(self) -> EtcdClient:
+        if getattr(self, "_scrape_etcd", None) is None:
+            self._scrape_etcd = self.new_client(timeout=2.0)
+        return self._scrape_etcd
 
     def wake(self) -> None:
         self._wake.set()
@@ -173,6 +195,7 @@ class Agent:
         """Run until LEFT (0) or FAILED (1). Raises UnavailableError if etcd never answers at start."""
         self._install_signal_handlers()
         if self.cfg.metrics_port is not None:
+            self.metrics.add_job_view(self._job_view)
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
             self.log.info("metrics listening", addr=self.cfg.metrics_addr, port=self.metrics_port)
         self._wait_for_etcd()
@@ -257,6 +280,7 @@ class Agent:
                 self.metrics.world_size.set(float(json.loads(world_kv[0]).get("world_size", 0)))
             except (ValueError, TypeError, AttributeError):
                 pass
+        first_read, self._job_read = not self._job_read, True
         if revision == self.job.revision:
             return
         spec, error = None, None
@@ -274,9 +298,27 @@ class Agent:
                 state = None
         elif spec is not None:
             state = JOB_SUBMITTED  # a spec written without a state record counts as submitted
+        # A job seen ending (not one that had ended before this agent started).
+        ended = state in (JOB_DONE, JOB_FAILED, JOB_CANCELLED) and self._job.state != state and not first_read
         self._job = JobView(spec, state, revision, error)
         self.log.info("job changed", job_state=state, has_spec=spec is not None, active=self.job.active)
+        if ended and self.election.is_leader:
+            self._log_cost_summary(state)
         self._call_plugins("on_job_change", self.job)
+
+    def _log_cost_summary(self, state: str | None) -> None:
+        """One line at the job's end (the leader): what it cost, on-demand equivalent, $/epoch."""
+        from elasticyolo.cost import summary_line
+        from elasticyolo.status import collect
+
+        try:
+            view = collect(self.client, self.keys, lease_ttls=False)
+        except Exception as exc:  # noqa: BLE001 - a summary must not disturb the agent
+            self.log.warning("cost summary unavailable", error=str(exc))
+            return
+        line = summary_line(self.cfg.job, view["cost"], view.get("epochs_done"))
+        self.log.info("job cost", job_state=state, summary=line, **{k: v for k, v in view["cost"].items()})
+        self.write_event("cost", summary=line, **view["cost"])
 
     def _apply(self, t: Transition) -> None:
         self._state = t.new
@@ -349,6 +391,7 @@ class Agent:
         self.metrics.leader_term.set(self.election.term)
         if now and not was:
             self.record.leader = True
+            self.write_event("leader", term=self.election.term)  # for the timeline (elasticyolo report)
             self._call_plugins("on_become_leader", self.election.term)
         elif was and not now:
             self._lost_leadership("resigned or deposed")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from elasticyolo.agent.state import NodeState
@@ -60,7 +63,73 @@ class AgentMetrics:
         else:
             self.lease_renew.observe(latency)
 
+    def add_job_view(self, read_view: Callable[[], dict[str, Any]]) -> None:
+        """Serve the job-wide figures (`JobCollector`) from this registry."""
+        self.registry.register(JobCollector(self._labels["node"], self._labels["job"], read_view))
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint in a daemon thread; returns the bound port (port 0: any free one)."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return int(server.server_port)
+
+
+class JobCollector:
+    """Job-wide figures on this agent's /metrics, read from etcd at scrape time (one `status`
+    read, lease TTLs skipped): spend, on-demand equivalent, savings, burn rate, goodput, training
+    progress, and the last checkpoint the workers landed (size, upload and snapshot seconds, age).
+    The workers publish those records to etcd; the agent serves them, so one scrape target per
+    node covers the worker side too."""
+
+    def __init__(self, node_id: str, job: str, read_view: Callable[[], dict[str, Any]]) -> None:
+        self.node_id, self.job = node_id, job
+        self.read_view = read_view
+
+    def describe(self) -> list[Any]:
+        return []  # computed at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            view = self.read_view()
+        except Exception:  # noqa: BLE001 - an unreachable etcd leaves these out of this scrape
+            up = GaugeMetricFamily("elasticyolo_job_view_up", "1 if the job's records could be read from etcd",
+                                   labels=["node", "job"])
+            up.add_metric([self.node_id, self.job], 0)
+            yield up
+            return
+        labels = [self.node_id, self.job]
+
+        def gauge(name: str, doc: str, value: Any) -> Iterator[Any]:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                g = GaugeMetricFamily(name, doc, labels=["node", "job"])
+                g.add_metric(labels, float(value))
+                yield g
+
+        cost, good = view.get("cost") or {}, view.get("goodput") or {}
+        ck = view.get("last_checkpoint") if isinstance(view.get("last_checkpoint"), dict) else {}
+        yield from gauge("elasticyolo_job_view_up", "1 if the job's records could be read from etcd", 1)
+        yield from gauge("elasticyolo_job_spent_usd", "USD spent so far on the job's registered nodes",
+                         cost.get("spent_usd"))
+        yield from gauge("elasticyolo_job_on_demand_usd", "the same node-hours at on-demand prices",
+                         cost.get("on_demand_usd"))
+        yield from gauge("elasticyolo_job_savings_usd", "on-demand equivalent minus spent", cost.get("savings_usd"))
+        yield from gauge("elasticyolo_job_burn_usd_per_hour", "USD per hour of the registered nodes",
+                         cost.get("burn_usd_per_hour"))
+        yield from gauge("elasticyolo_job_usd_per_epoch", "spent / epochs trained", cost.get("usd_per_epoch"))
+        yield from gauge("elasticyolo_job_goodput_ratio",
+                         "trained samples/s over the paid slots' steady-state samples/s", good.get("ratio"))
+        yield from gauge("elasticyolo_job_samples_per_second", "trained samples/s (rank 0's window)",
+                         view.get("samples_s"))
+        yield from gauge("elasticyolo_job_epochs_done", "epochs trained (with the current one's fraction)",
+                         view.get("epochs_done"))
+        yield from gauge("elasticyolo_job_step", "optimizer steps trained", view.get("step"))
+        yield from gauge("elasticyolo_checkpoint_last_step", "step of the newest landed checkpoint", ck.get("step"))
+        yield from gauge("elasticyolo_checkpoint_last_size_bytes", "size of the newest checkpoint", ck.get("size"))
+        yield from gauge("elasticyolo_checkpoint_last_upload_seconds", "background upload time of the newest "
+                         "checkpoint", ck.get("upload_s"))
+        yield from gauge("elasticyolo_checkpoint_last_snapshot_seconds", "training's blocking share of the newest "
+                         "checkpoint", ck.get("snapshot_s"))
+        if isinstance(ck.get("at"), (int, float)):
+            yield from gauge("elasticyolo_checkpoint_last_age_seconds", "seconds since the newest checkpoint landed",
+                             max(0.0, float(view.get("at") or time.time()) - ck["at"]))

@@ -3,6 +3,7 @@
     <root>/<job>/ckpt/<step:012d>-<stamp>-<id>.pt          one object per checkpoint
     <root>/<job>/manifests/<step:012d>-<stamp>-<id>.json   written only after the object verified
     <root>/<job>/latest.json                               copy of the newest landed manifest
+    <root>/<job>/run/...                                   Ultralytics' run folder (results, best.pt)
 
 Zero-padded steps make lexicographic listing order = training order. A manifest exists only for a
 checkpoint whose upload completed and was verified, so a half-written object is never "a checkpoint".
@@ -37,6 +38,12 @@ def manifest_prefix(job: str) -> str:
 
 def latest_key(job: str) -> str:
     return f"{job}/latest.json"
+
+
+def run_key(job: str, path: str) -> str:
+    """Ultralytics' run folder of a cluster job, next to its checkpoints (never pruned):
+    `<job>/run/{args.yaml, results.csv, results.png, timeline.png, weights/best.pt, weights/last.pt}`."""
+    return f"{job}/run/{path}"
 
 
 def new_name(step: int) -> str:

@@ -23,7 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spot/preemptible VM (default yes); non-preemptible nodes are preferred as leader")
     parser.add_argument("--instance-type")
     parser.add_argument("--zone")
-    parser.add_argument("--price-per-hour", type=float, metavar="USD")
+    parser.add_argument("--price-per-hour", type=float, metavar="USD",
+                        help="what this VM costs per hour (status and /metrics show the job's spend)")
+    parser.add_argument("--on-demand-price-per-hour", type=float, metavar="USD",
+                        help="the same VM's on-demand price (for savings; default: from --price-table)")
+    parser.add_argument("--price-table", metavar="YAML",
+                        help="instance_type: {spot: USD, on_demand: USD}; prices a node by its --instance-type")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     parser.add_argument("--metrics-addr", help="metrics bind address (default 127.0.0.1)")
     parser.add_argument("--drain-timeout-s", type=float, help="max seconds to drain on SIGTERM (default 60)")
@@ -61,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAG_FIELDS = ("etcd", "job", "node_id", "host", "addr", "slots", "ttl", "preemptible", "instance_type", "zone",
-                "price_per_hour", "metrics_port", "metrics_addr", "drain_timeout_s", "startup_timeout_s", "etcd_ca",
+                "price_per_hour", "on_demand_price_per_hour", "price_table", "metrics_port", "metrics_addr", "drain_timeout_s", "startup_timeout_s", "etcd_ca",
                 "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_timeout", "handover", "log_level",
                 "spot_provider", "metadata_url", "notice_file", "spot_poll_interval", "drain_on_rebalance",
                 "drain_margin_s", "work_dir", "data_cache_dir", "data_cache_max_gb", "data_max_concurrency",

@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("download", parents=[common], help="download a checkpoint .pt (sha256-checked)")
     p.add_argument("which", nargs="?", default="latest", help="latest (default), a step, or a name from list")
-    p.add_argument("-o", "--output", default=None, help="file or directory (default: ./<job>-step<N>.pt)")
+    p.add_argument("-o", "--output", default=None,
+                   help="file or directory (default: ./<job>-step<N>.pt, with --best ./<job>-best.pt)")
+    p.add_argument("--best", action="store_true",
+                   help="the run's best.pt by Ultralytics' fitness (<job>/run/weights/best.pt; loads with YOLO(path))")
 
     p = sub.add_parser("prune", parents=[common], help="apply retention now")
     p.add_argument("--keep-last", type=int, required=True, help="keep the newest K checkpoints")
@@ -130,6 +133,10 @@ def _download(store: Any, args: argparse.Namespace) -> int:
     from elasticyolo.checkpoint import catalog
     from elasticyolo.checkpoint.restore import CorruptCheckpoint, download_verified
 
+    if args.best:
+        if args.which != "latest":
+            raise UserError(f"--best and {args.which!r} both given: pick one")
+        return _download_best(store, args)
     m = catalog.find(store, args.job, args.which)
     default_name = f"{args.job}-step{m.step}.pt"
     out = Path(args.output) if args.output else Path(default_name)
@@ -145,6 +152,33 @@ def _download(store: Any, args: argparse.Namespace) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     print(f"{out}  step {m.step}  epoch {m.epoch}  {_human(m.size)}  sha256 {m.sha256[:16]}.. verified")
+    return 0
+
+
+def _download_best(store: Any, args: argparse.Namespace) -> int:
+    """The run folder's weights/best.pt (published by rank 0 at each better epoch)."""
+    from elasticyolo.checkpoint.layout import run_key
+
+    key = run_key(args.job, "weights/best.pt")
+    info = store.head(key)
+    if info is None:
+        raise UserError(f"job {args.job!r} has no best.pt in {store.uri} (written at the first epoch end; "
+                        f"`checkpoints download` gets the latest checkpoint)")
+    default_name = f"{args.job}-best.pt"
+    out = Path(args.output) if args.output else Path(default_name)
+    if out.is_dir():
+        out = out / default_name
+    tmp = out.with_name(f".{out.name}.part")
+    try:
+        with open(tmp, "wb+") as f:
+            store.download(key, f)
+            size = f.tell()
+        if size != info.size:
+            raise UserError(f"{store.uri}/{key}: got {size} bytes, the store lists {info.size}; try again")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"{out}  best.pt of job {args.job}  {_human(info.size)}")
     return 0
 
 

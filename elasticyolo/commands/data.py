@@ -87,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out}: exists and is not a directory")
-    path = write_dataset(args.out, spec)
+    try:
+        path = write_dataset(args.out, spec)
+    except OSError as exc:
+        from elasticyolo.cli import os_error_text
+
+        raise UserError(f"--out {args.out}: cannot write the dataset: {os_error_text(exc)}") from None
     print(f"wrote {spec.train} train + {spec.val} val images ({spec.classes} classes, {spec.imgsz}px): {path}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 
@@ -26,25 +27,44 @@ def run(args: argparse.Namespace) -> int:
     from elasticyolo.status import collect, render_table
 
     client, keys = client_from_args(args)
+    tty = sys.stdout.isatty()
+
+    def render(view: dict) -> str:
+        if args.json:
+            return json.dumps(view, sort_keys=True)
+        # On a terminal: colour, and the terminal's width (rich fits the table to it).
+        return render_table(view, color=tty, width=shutil.get_terminal_size().columns if tty else None)
+
     if not args.watch:
-        view = collect(client, keys, lease_ttls=_TTL_MODE[args.lease_ttl])
-        print(json.dumps(view, sort_keys=True) if args.json else render_table(view))
+        print(render(collect(client, keys, lease_ttls=_TTL_MODE[args.lease_ttl])))
         return 0
     from elasticyolo.errors import UnavailableError
 
+    def frame() -> str:
+        try:
+            return render(collect(client, keys, lease_ttls=_TTL_MODE[args.lease_ttl]))
+        except UnavailableError as exc:
+            return f"elasticyolo status: {exc}"
+
     try:
-        while True:
-            try:
-                view = collect(client, keys, lease_ttls=_TTL_MODE[args.lease_ttl])
-                out = json.dumps(view, sort_keys=True) if args.json else render_table(view)
-            except UnavailableError as exc:
-                out = f"elasticyolo status: {exc}"
-            if args.json:
-                print(out, flush=True)  # one object per line: easy to pipe into jq
-            else:
-                sys.stdout.write("\x1b[H\x1b[2J" if sys.stdout.isatty() else "\n")
-                sys.stdout.write(f"{time.strftime('%H:%M:%S')}  every {args.interval:g}s\n{out}\n")
-                sys.stdout.flush()
-            time.sleep(args.interval)
+        if args.json or not tty:
+            while True:
+                out = frame()
+                if args.json:
+                    print(out, flush=True)  # one object per line: easy to pipe into jq
+                else:
+                    sys.stdout.write(f"\n{time.strftime('%H:%M:%S')}  every {args.interval:g}s\n{out}\n")
+                    sys.stdout.flush()
+                time.sleep(args.interval)
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        # A terminal: redrawn in place (rich's Live on the alternate screen), Ctrl-C to leave.
+        with Live(console=Console(), screen=True, auto_refresh=False, transient=True) as live:
+            while True:
+                head = f"{time.strftime('%H:%M:%S')}  every {args.interval:g}s  (Ctrl-C to quit)\n"
+                live.update(Text.from_ansi(head + frame()), refresh=True)
+                time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0

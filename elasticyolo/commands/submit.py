@@ -26,6 +26,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.pairs:
         raise UserError("no spec given: pass key=value options, at least data=...")
     spec = TrainSpec.from_pairs(args.pairs)  # validated before any connection: a bad spec writes nothing
+    if spec.resume:
+        raise UserError(f"resume={spec.resume}: a cluster job resumes by itself from its checkpoint store "
+                        "(checkpoint=URI; resubmit with --replace and the same job name)")
     client, keys = client_from_args(args)
     by = f"{getpass.getuser()}@{socket.gethostname()}"
     if not submit_spec(client, keys, spec, by=by, replace=args.replace):

@@ -33,6 +33,9 @@ FIELDS = ("epoch", "epochs", "step", "consumed", "num_samples", "world_size", "l
           "accumulate")
 
 log = get_logger("elasticyolo.progress")
+# The loop's samples/s is a window of 10 steps: the steady per-worker rate (cost.py's goodput
+# denominator) is only taken once a window holds no start-up step.
+STEADY_AFTER_STEPS = 10
 
 
 class EtcdProgress:
@@ -41,6 +44,8 @@ class EtcdProgress:
         self.client, self.keys = client, keys
         self.node_id, self.term, self.generation = node_id, term, generation
         self._marked_running = False
+        self._steps_seen = 0
+        self.steady_per_worker: float | None = None  # best per-worker samples/s once the window is full
         self.min_interval = 1.0 / rate
         self._latest: dict[str, Any] | None = None
         self._cond = threading.Condition()
@@ -72,6 +77,13 @@ class EtcdProgress:
             return
         out = {k: rec.get(k) for k in FIELDS}
         out["samples_s"] = round(float(rec.get("samples_per_s") or 0.0), 2)
+        self._steps_seen += 1
+        world = int(rec.get("world_size") or 0)
+        if self._steps_seen > STEADY_AFTER_STEPS and world > 0 and rec.get("samples_per_s"):
+            per_worker = float(rec["samples_per_s"]) / world
+            self.steady_per_worker = max(self.steady_per_worker or 0.0, per_worker)
+        out["steady_samples_s_per_worker"] = (round(self.steady_per_worker, 4)
+                                              if self.steady_per_worker is not None else None)
         out["node"] = self.node_id
         out["at"] = time.time()
         if rec.get("metrics"):

@@ -86,12 +86,32 @@ class StepResult:
     images: int  # images this rank trained in the step
     micro_batches: int
     seconds: float
+    # Ultralytics' loss components (box_loss, cls_loss, dfl_loss), summed over the micro-batches, on the device.
+    loss_items: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    _host: list[float] | None = field(default=None, repr=False)
+
+    def _read(self) -> list[float]:
+        """The loss and its components in one device-to-host copy (one wait for the device per step)."""
+        if self._host is None:
+            parts = [self.loss_sum, *self.loss_items.values()]
+            if isinstance(self.loss_sum, torch.Tensor):
+                self._host = torch.stack([torch.as_tensor(p, device=self.loss_sum.device).float().reshape(())
+                                          for p in parts]).tolist()
+            else:
+                self._host = [float(p) for p in parts]
+        return self._host
 
     @property
     def loss(self) -> float:
         """Mean per-image loss. Reading it waits for the device: the loop does so once per step,
         never per micro-batch."""
-        return float(self.loss_sum) / max(self.images, 1)
+        return self._read()[0] / max(self.images, 1)
+
+    def loss_item_means(self) -> dict[str, float]:
+        """Each loss component's mean over this step's micro-batches (Ultralytics' `loss_items`)."""
+        n = max(self.micro_batches, 1)
+        return {k: v / n for k, v in zip(self.loss_items, self._read()[1:])}
 
 
 def local_size(spec: TrainSpec) -> int:
@@ -117,6 +137,8 @@ class Progress:
     optimizer_name: str = ""
     lr0: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)  # per-epoch metrics
+    seconds: float = 0.0  # training + validation seconds of the committed work (results.csv "time")
+    stopped: bool = False  # early stop (`patience` epochs without a better fitness)
 
 
 class TrainCore:
@@ -297,6 +319,7 @@ class TrainCore:
         _, acc = self.apply_schedule()
         loss_sum = torch.zeros((), device=self.device)  # stays on the device: no sync per micro-batch
         images, micro = 0, 0
+        items_sum: dict[str, torch.Tensor] = {}
         step_indices: list[int] = []
         while micro < acc and not self.sampler.epoch_done():
             indices = self.sampler.shard(self.rank, self.world)
@@ -311,6 +334,8 @@ class TrainCore:
                     loss = loss.sum() * self.world
                 self.scaler.scale(loss).backward()
                 loss_sum += loss.detach().float() / self.world
+                for k, v in _loss_dict(items).items():
+                    items_sum[k] = items_sum[k] + v.float() if k in items_sum else v.float()
                 images += len(indices)
             self.sampler.advance(self.world)
             micro += 1
@@ -321,7 +346,7 @@ class TrainCore:
         p.step += 1
         p.steps_since_resize += 1
         p.consumed = self.sampler.state.consumed
-        return StepResult(loss_sum, images, micro, time.perf_counter() - t0)
+        return StepResult(loss_sum, images, micro, time.perf_counter() - t0, items_sum)
 
     def _optimizer_step(self) -> None:
         grads = []
@@ -349,7 +374,7 @@ class TrainCore:
 
     @property
     def finished(self) -> bool:
-        return self.progress.epoch >= self.spec.epochs
+        return self.progress.epoch >= self.spec.epochs or self.progress.stopped
 
     def sync_sampler_from_progress(self) -> None:
         """After a rollback/restore the progress record is the truth."""
@@ -388,6 +413,8 @@ class TrainCore:
         was_training = model.training
         model.eval()
         validator.init_metrics(model)
+        # Validation losses as Ultralytics' validator computes them during training (summed per batch).
+        loss_sums: dict[str, float] = {}
         with torch.inference_mode():
             for i, req in enumerate(mine):
                 batch = self.loader.get("val", req.key, lambda i=i: iter(mine[i:]))
@@ -395,13 +422,21 @@ class TrainCore:
                 batch = validator.preprocess(batch)
                 batch["img"] = batch["img"].float()
                 preds = model(batch["img"])
+                for k, v in _loss_dict(model.loss(batch, preds)[1]).items():
+                    loss_sums[k] = loss_sums.get(k, 0.0) + float(v)
                 validator.update_metrics(validator.postprocess(preds), batch)
         model.train(was_training)
+        n_batches = len(mine)
         if gather is not None and world > 1:
             merged: dict[str, list[Any]] = {k: [] for k in validator.metrics.stats}
-            for part in gather(validator.metrics.stats):
+            parts = gather((validator.metrics.stats, loss_sums, len(mine)))
+            loss_sums, n_batches = {}, 0
+            for part, part_losses, part_batches in parts:
                 for k, v in part.items():
                     merged[k].extend(v)
+                for k, v in part_losses.items():
+                    loss_sums[k] = loss_sums.get(k, 0.0) + v
+                n_batches += part_batches
             validator.metrics.stats = merged
             validator.metrics.box.clear_image_metrics()  # per-image extras are not needed for mAP
         stats = validator.get_stats()
@@ -410,7 +445,15 @@ class TrainCore:
             "mAP50-95": float(stats.get("metrics/mAP50-95(B)", 0.0)),
             "precision": float(stats.get("metrics/precision(B)", 0.0)),
             "recall": float(stats.get("metrics/recall(B)", 0.0)),
+            **{f"val/{k}": v / max(n_batches, 1) for k, v in loss_sums.items()},
         }
+
+
+def _loss_dict(items: Any) -> dict[str, torch.Tensor]:
+    """Ultralytics' loss components by name (8.4 returns a dict; older releases a tensor of box, cls, dfl)."""
+    if isinstance(items, dict):
+        return {str(k): v.detach() for k, v in items.items()}
+    return {name: v for name, v in zip(("box_loss", "cls_loss", "dfl_loss"), items.detach().reshape(-1))}
 
 
 def val_batches(n: int, bs: int, rank: int, world: int) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from elasticyolo.train.core import StepResult, TrainCore
+from elasticyolo.train.fitness import should_stop
 
 ProgressSink = Callable[[dict[str, Any]], None]
 
@@ -82,6 +83,8 @@ class TrainingLoop:
         self.validate_every_epoch = validate_every_epoch
         self._images = 0
         self._window: list[StepResult] = []
+        self._epoch_loss: dict[str, float] = {}  # loss components summed over this epoch's micro-batches
+        self._epoch_micro = 0
         self.last_metrics: dict[str, float] = {}
         if self.trace.enabled:
             core.loader.on_replan = self._trace_replan
@@ -126,15 +129,32 @@ class TrainingLoop:
             self._images += result.images
             lr = core.optimizer.param_groups[0]["lr"]
             epoch_ended = core.end_epoch_if_done()
-            if epoch_ended and self.validate_every_epoch and core.spec.val:
-                # Every rank validates its shard together (see TrainCore.validate).
-                self.last_metrics = core.validate(gather=getattr(self.hooks, "gather", None))
-                core.progress.history.append({"epoch": epoch, **self.last_metrics})
+            core.progress.seconds += result.seconds
+            for k, v in result.loss_item_means().items():
+                self._epoch_loss[k] = self._epoch_loss.get(k, 0.0) + v * result.micro_batches
+            self._epoch_micro += result.micro_batches
+            if epoch_ended:
+                entry: dict[str, Any] = {"epoch": epoch}
+                if self.validate_every_epoch and core.spec.val:
+                    # Every rank validates its shard together (see TrainCore.validate).
+                    t_val = time.perf_counter()
+                    self.last_metrics = core.validate(gather=getattr(self.hooks, "gather", None))
+                    core.progress.seconds += time.perf_counter() - t_val
+                    entry.update(self.last_metrics)
+                # Ultralytics' results.csv fields of the epoch (train/run_folder.py writes them).
+                entry.update({f"train/{k}": v / max(self._epoch_micro, 1) for k, v in self._epoch_loss.items()})
+                entry.update({f"lr/pg{i}": g["lr"] for i, g in enumerate(core.optimizer.param_groups)})
+                entry["time"] = round(core.progress.seconds, 3)
+                self._epoch_loss, self._epoch_micro = {}, 0
+                core.progress.history.append(entry)
+                # Same history on every rank (validation is gathered): the same decision everywhere.
+                core.progress.stopped = should_stop(core.progress.history, core.spec.patience)
             self._emit({
                 "kind": "step", "epoch": core.progress.epoch, "epochs": core.spec.epochs, "step": core.progress.step,
                 "consumed": core.sampler.state.consumed, "num_samples": core.sampler.num_samples,
                 "world_size": core.world, "rank": core.rank, "loss": result.loss, "lr": lr,
                 "lr_scale": core.progress.lr_scale, "accumulate": result.micro_batches,
+                "loss_items": result.loss_item_means(), "stopped": core.progress.stopped,
                 "samples_per_s": self._throughput(result), "epoch_ended": epoch_ended, **(
                     {"metrics": self.last_metrics} if epoch_ended else {}),
             })

@@ -100,10 +100,11 @@ def build_core_checkpoint(core: "TrainCore") -> dict[str, Any]:
     from elasticyolo.checkpoint.format import build_checkpoint
 
     epoch, epoch_step, epoch_end = _position(core)
+    from elasticyolo.train.fitness import best_epoch
+
     metrics = core.progress.history[-1] if core.progress.history else {}
-    fitness = None
-    if metrics:
-        fitness = 0.1 * float(metrics.get("mAP50", 0.0)) + 0.9 * float(metrics.get("mAP50-95", 0.0))
+    best = best_epoch(core.progress.history)
+    fitness = best[1] if best else None  # Ultralytics' best_fitness: the best so far
     return build_checkpoint(
         core.model, core.ema, core.optimizer, epoch=epoch, global_step=core.progress.step, epoch_step=epoch_step,
         epoch_end=epoch_end, train_args=core.hyp, world_size=core.world, policy=core.spec.policy,

@@ -11,6 +11,7 @@ sample of an epoch is trained twice or skipped (counting committed work only). A
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import asdict
 from typing import Any
 
@@ -27,6 +28,7 @@ from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.checkpointing import Checkpointer
+from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics
 from elasticyolo.train.digest import optimizer_state_digest, params_digest
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
@@ -179,6 +181,8 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: T
         checkpointer.restore_into(core)
     prime_optimizer_state(core.optimizer)
     trace = TraceWriter()
+    # Ultralytics' run folder on rank 0's node, published next to the checkpoints.
+    run_folder = ClusterRunFolder(core, env.job or "default", checkpointer.store, Path(core.work_dir))
     # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
     state = AlwaysSyncTorchState(
         model=None, optimizer=None, opt=core.optimizer, net=core.model, ema=core.ema.ema,
@@ -226,7 +230,8 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: T
         checkpointer.sinks = list(sinks or []) if core.rank == 0 else []
         hooks = CommitHooks(core, collectives, target_s=commit_target_s, snapshots=snapshots,
                             checkpointer=checkpointer, engine=HorovodCommit(state, core))
-        loop = TrainingLoop(core, hooks=hooks, sinks=sinks if core.rank == 0 else [], trace=trace)
+        loop = TrainingLoop(core, hooks=hooks, sinks=(list(sinks or []) + run_folder.sinks()) if core.rank == 0
+                            else [], trace=trace)
         return loop.run()
 
     def report_resume(before: int, first: bool) -> None:
@@ -263,6 +268,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: T
     checkpointer.close()
     trace.write("done", rank=hvd.rank(), world=hvd.size(), step=core.progress.step)
     if hvd.rank() == 0:
+        run_folder.finish()
         m = summary.metrics
         print(f"done: epochs={summary.epochs} steps={summary.steps} world={hvd.size()} "
               f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} "

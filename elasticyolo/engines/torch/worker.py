@@ -38,6 +38,7 @@ from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.checkpointing import Checkpointer
+from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
 from elasticyolo.train.digest import params_digest
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
@@ -160,12 +161,16 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
                             source=restored.source)
         hooks = CommitHooks(core, collectives, target_s=commit_target_s, snapshots=snapshots,
                             checkpointer=checkpointer)
-        loop = TrainingLoop(core, hooks=hooks, sinks=sinks if rank == 0 else [], trace=trace)
+        # Ultralytics' run folder on rank 0's node, published next to the checkpoints.
+        run_folder = ClusterRunFolder(core, job, checkpointer.store, work_dir.parent)
+        loop = TrainingLoop(core, hooks=hooks, sinks=(list(sinks or []) + run_folder.sinks()) if rank == 0 else [],
+                            trace=trace)
         summary = loop.run()
         if not checkpointer.save_now(core, reason="final"):
             log.warning("final_checkpoint_late", step=core.progress.step)
         trace.write("done", rank=rank, world=world, step=core.progress.step)
         if rank == 0:
+            run_folder.finish()
             m = summary.metrics
             print(f"done: epochs={summary.epochs} steps={summary.steps} world={world} "
                   f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} "

@@ -1,0 +1,155 @@
+"""Ultralytics' run outputs: `<project>/<name>/` with args.yaml, results.csv (Ultralytics' column
+names), results.png (Ultralytics' own `plot_results`), weights/last.pt, weights/best.pt (by
+Ultralytics' fitness) and weights/epoch{N}.pt every `save_period` epochs.
+
+A progress sink on the rank that reports (rank 0). The rows come from the per-epoch history the
+training loop keeps in its synced state (losses, metrics, LRs, time), so an epoch trained again
+after a rollback replaces its row, and a new rank 0 (or a restart) writes the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import yaml
+
+from elasticyolo.train.fitness import best_epoch
+
+if TYPE_CHECKING:
+    from elasticyolo.train.core import TrainCore
+
+# Our metric names -> Ultralytics' results.csv columns (detection, box "(B)").
+METRIC_COLUMNS = {"precision": "metrics/precision(B)", "recall": "metrics/recall(B)",
+                  "mAP50": "metrics/mAP50(B)", "mAP50-95": "metrics/mAP50-95(B)"}
+ARGS_FILE, RESULTS_CSV, RESULTS_PNG = "args.yaml", "results.csv", "results.png"
+
+
+def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
+    """`project/name`, or `name2`, `name3`, ... when it exists (Ultralytics' `increment_path`)."""
+    path = Path(project) / name
+    if exist_ok or not path.exists():
+        return path
+    n = 2
+    while (Path(project) / f"{name}{n}").exists():
+        n += 1
+    return Path(project) / f"{name}{n}"
+
+
+def latest_last_pt(project: str | Path) -> Path | None:
+    """The newest `*/weights/last.pt` under `project` (Ultralytics' `get_latest_run`)."""
+    found = list(Path(project).glob("*/weights/last.pt"))
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def results_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """results.csv rows from the per-epoch history (`Progress.history`, kept in every checkpoint and
+    synced across ranks, so any rank 0, even after a restart, writes the whole file). Ultralytics'
+    column order: epoch, time, train losses, metrics, val losses, lr per param group; `epoch` counts
+    finished epochs (Ultralytics' `epoch + 1`). Unvalidated epochs get 0 metrics, as Ultralytics."""
+    by_epoch = {int(h["epoch"]): h for h in history}  # an epoch trained again replaces its entry
+    rows = []
+    for e in sorted(by_epoch):
+        h = by_epoch[e]
+        train = {k: float(v) for k, v in h.items() if k.startswith("train/")}
+        names = [k.removeprefix("train/") for k in train]
+        row: dict[str, Any] = {"epoch": e + 1, "time": float(h.get("time", 0.0)), **train}
+        row.update({col: float(h.get(key, 0.0)) for key, col in METRIC_COLUMNS.items()})
+        row.update({f"val/{k}": float(h.get(f"val/{k}", 0.0)) for k in names})
+        row.update({k: float(v) for k, v in sorted(h.items(), key=lambda kv: _pg(kv[0])) if k.startswith("lr/pg")})
+        rows.append(row)
+    return rows
+
+
+def results_csv(history: list[dict[str, Any]]) -> str:
+    rows = results_rows(history)
+    if not rows:
+        return ""
+    columns: list[str] = []
+    for r in rows:
+        columns += [c for c in r if c not in columns]
+    lines = [",".join(columns)] + [",".join(_num(r.get(c, 0.0)) for c in columns) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _pg(key: str) -> int:
+    return int(key.removeprefix("lr/pg")) if key.removeprefix("lr/pg").isdigit() else 0
+
+
+class RunFolder:
+    """Writes the run folder as training goes: a progress sink of the reporting rank. At each
+    epoch end: results.csv (from the history), weights/last.pt, best.pt when this epoch is the
+    best so far, epoch{N}.pt every `save_period` epochs, then `on_epoch(self, improved)`.
+    `save_weights(core, path)` writes a checkpoint file (`train.state.save_checkpoint_file`)."""
+
+    def __init__(self, save_dir: str | Path, core: "TrainCore", args: dict[str, Any],
+                 save_weights: Callable[[Any, Path], None] | None = None,
+                 on_epoch: Callable[["RunFolder", bool], None] | None = None) -> None:
+        self.dir = Path(save_dir)
+        self.weights = self.dir / "weights"
+        self.weights.mkdir(parents=True, exist_ok=True)
+        self.core = core
+        self.spec = core.spec
+        if save_weights is None:
+            from elasticyolo.train.state import save_checkpoint_file as save_weights
+        self._save_weights = save_weights
+        self.on_epoch = on_epoch  # e.g. publish the files next to the job's checkpoints
+        self.csv = self.dir / RESULTS_CSV
+        self.args_yaml = self.dir / ARGS_FILE
+        _atomic_write(self.args_yaml, yaml.safe_dump(args, sort_keys=False).encode())
+
+    @property
+    def last_pt(self) -> Path:
+        return self.weights / "last.pt"
+
+    @property
+    def best_pt(self) -> Path:
+        return self.weights / "best.pt"
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        if rec.get("kind") == "step" and rec.get("epoch_ended"):
+            self.end_epoch()
+
+    def end_epoch(self) -> None:
+        history = self.core.progress.history
+        if not history:
+            return
+        _atomic_write(self.csv, results_csv(history).encode())
+        self._save_weights(self.core, self.last_pt)
+        best = best_epoch(history)
+        improved = best is None or best[0] == int(history[-1]["epoch"])  # this epoch is the best so far
+        if improved or not self.best_pt.exists():
+            _copy(self.last_pt, self.best_pt)
+        finished = int(history[-1]["epoch"]) + 1
+        if self.spec.save_period > 0 and finished % self.spec.save_period == 0:
+            _copy(self.last_pt, self.weights / f"epoch{finished}.pt")
+        if self.on_epoch is not None:
+            self.on_epoch(self, improved)
+
+    def plot(self) -> Path | None:
+        """results.png with Ultralytics' `plot_results` (as its trainer does at the end of a run)."""
+        if not self.csv.exists():
+            return None
+        from ultralytics.utils.plotting import plot_results
+
+        plot_results(file=self.csv)
+        png = self.dir / RESULTS_PNG
+        return png if png.exists() else None
+
+
+def _num(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
