@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import horovod.runner.elastic.driver as horovod_driver
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.rendezvous import create_rendezvous_handler
 from horovod.runner.elastic.worker import HostUpdateResult
@@ -29,7 +30,9 @@ from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
+from elasticyolo.cluster.liveness import LivenessServer, Verdict
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
+from elasticyolo.engines.horovod.failures import SlotFacts, slot_outcome
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -39,6 +42,9 @@ from elasticyolo.spec import TrainSpec
 STOP_REPORT_S = 5.0
 # A host change Horovod has not acted on after this long is announced to the workers again.
 RENOTIFY_S = 3.0
+# Horovod polls discovery once a second (holding its hosts lock). Ours answers from a cache, so a
+# shorter period costs nothing and a lost or joining node is acted on sooner.
+horovod_driver.DISCOVER_HOSTS_FREQUENCY_SECS = 0.2
 
 
 class BoundRendezvousServer(RendezvousServer):
@@ -54,16 +60,35 @@ class BoundRendezvousServer(RendezvousServer):
         return int(self._httpd.server_address[1])
 
 
+class FencedElasticDriver(ElasticDriver):
+    """Horovod's driver, ignoring the exit of a worker whose slot a newer request owns: a late
+    report (its agent was frozen, the slot was re-assigned since) must not count against the
+    slot's current worker (a late 0 would even read as success and stop the job)."""
+
+    def __init__(self, *args: Any, superseded: Callable[[], bool], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._superseded = superseded
+
+    def _handle_worker_exit(self, slot_info: SlotInfo, exit_code: int, timestamp: float) -> None:
+        if self._superseded():
+            return
+        super()._handle_worker_exit(slot_info, exit_code, timestamp)
+
+
 class DriverRunner:
     """One Horovod elastic run of one job under one leadership term."""
 
     def __init__(self, *, client: EtcdClient, keys: JobKeys, election: LeaderElection, spec: TrainSpec,
-                 addr: str, lease: Callable[[], int], node_id: str) -> None:
+                 addr: str, lease: Callable[[], int], node_id: str, liveness: LivenessServer | None = None) -> None:
         self.client, self.keys, self.election, self.spec = client, keys, election, spec
         self.addr, self.lease, self.node_id = addr, lease, node_id
         self.term = election.term
         self.log = get_logger("elasticyolo.driver", job=keys.job, node=node_id, term=self.term)
         self.view = ClusterView(client, keys)
+        self.liveness = liveness  # fast failure signals (cluster/liveness.py); None: the lease only
+        self._slot_owner: dict[tuple[str, int], str] = {}  # (host, local rank) -> newest request id
+        self._superseded: set[int] = set()  # worker threads whose exit Horovod must ignore
+        self._reset_seen: tuple[int, float] | None = None  # (rendezvous id, when its first worker registered)
         self.driver: ElasticDriver | None = None
         self.result: str | None = None  # JOB_DONE / JOB_FAILED once finished
         self.error: str | None = None
@@ -87,6 +112,8 @@ class DriverRunner:
             if self.driver is not None:
                 _stop_driver(self.driver, f"driver stopped: {reason}")
             self.view.stop()
+        if self.liveness is not None:
+            self.liveness.remove_listener(self._on_liveness)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -102,10 +129,14 @@ class DriverRunner:
         max_np = (spec.max_nodes or 100_000) * slots
         try:
             self.view.start()
+            if self.liveness is not None:
+                self.liveness.add_listener(self._on_liveness)
             rendezvous = BoundRendezvousServer(self.addr)
-            driver = ElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots), min_np, max_np,
-                                   timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
-                                   cooldown_range=tuple(spec.cooldown_s))
+            lost = self.liveness.lost if self.liveness is not None else None
+            driver = FencedElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots, exclude=lost), min_np, max_np,
+                                         timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
+                                         cooldown_range=tuple(spec.cooldown_s),
+                                         superseded=self._take_superseded)
             self.driver = driver
             if self._stopping.is_set():
                 driver.stop()
@@ -148,7 +179,21 @@ class DriverRunner:
                 _stop_driver(self.driver, self.error)
         finally:
             self.view.stop()
+            if self.liveness is not None:
+                self.liveness.remove_listener(self._on_liveness)
             self._clear_launches()
+
+    def _take_superseded(self) -> bool:
+        # Called by Horovod on the worker's thread right after create_worker returned.
+        ident = threading.get_ident()
+        if ident in self._superseded:
+            self._superseded.discard(ident)
+            return True
+        return False
+
+    def _on_liveness(self, changes: dict[str, Verdict]) -> None:
+        # A lost node: wake the workers' waiters now rather than at the next etcd poll.
+        self.view.poke()
 
     def _clear_launches(self) -> None:
         # Fenced: a deposed driver must not delete its successor's requests.
@@ -252,10 +297,15 @@ class DriverRunner:
                 log.warning("could not write launch request", error=str(exc))
                 return 1, time.time()
             log.info("worker requested", size=slot.size)
+            owner = (slot.hostname, slot.local_rank)
+            self._slot_owner[owner] = request_id
             try:
                 return self._await_exit(slot, request_id, key, events, log)
             finally:
                 self._forget(request_id)
+                if self._slot_owner.get(owner) != request_id:
+                    log.info("a newer request owns the slot; this exit is not reported to Horovod")
+                    self._superseded.add(threading.get_ident())
 
         return create_worker
 
@@ -265,13 +315,9 @@ class DriverRunner:
 
         def outcome(snap: Snapshot) -> tuple[str, Any] | None:
             report = snap.exits.get(request_id)
-            if report is not None:
-                return "exit", int(report.get("code", 1))
-            if any(e.is_set() for e in events):
-                return "stop", None
-            if slot.hostname not in snap.nodes and snap.at > started:
-                return "node-gone", None
-            return None
+            return slot_outcome(self._slot_facts(slot, snap, started,
+                                                 None if report is None else int(report.get("code", 1)),
+                                                 any(e.is_set() for e in events)))
 
         while True:
             got = self.view.wait(outcome, timeout=1.0)
@@ -282,7 +328,8 @@ class DriverRunner:
                 log.info("worker exited", code=code)
                 return code, time.time()
             if what == "node-gone":
-                log.warning("node left; counting its worker as failed")
+                log.warning("node lost; counting its worker as failed",
+                            liveness=self._verdict(slot.hostname).value)
                 return 1, time.time()
             # Horovod stops this worker (job shutdown or its host was blacklisted): withdraw the
             # request; the node's agent kills the worker and reports its exit.
@@ -292,6 +339,28 @@ class DriverRunner:
             code = int(got.get("code", 1)) if isinstance(got, dict) else 1
             log.info("worker stopped", code=code)
             return code, time.time()
+
+    def _verdict(self, node: str) -> Verdict:
+        return self.liveness.verdict(node) if self.liveness is not None else Verdict.UNKNOWN
+
+    def _slot_facts(self, slot: SlotInfo, snap: Snapshot, started: float, exit_code: int | None,
+                    stopping: bool) -> SlotFacts:
+        host, local_rank = slot.hostname, slot.local_rank
+        driver = self.driver
+        assigned, registered, pending = True, False, None
+        if driver is not None:
+            assigned = driver.has_rank_assignment(host, local_rank)
+            registry = driver._worker_registry
+            states = dict(registry._states)  # recorded in the pending reset (cleared when it completes)
+            registered = (host, local_rank) in states
+            if states:
+                rid = registry.last_rendezvous()
+                if self._reset_seen is None or self._reset_seen[0] != rid:
+                    self._reset_seen = (rid, time.monotonic())
+                pending = time.monotonic() - self._reset_seen[1]
+        return SlotFacts(exit_code=exit_code, stopping=stopping, liveness=self._verdict(host),
+                         record_present=host in snap.nodes or snap.at <= started, assigned=assigned,
+                         registered=registered, reset_pending_s=pending)
 
     def _withdraw(self, key: str, request_id: str) -> None:
         try:
