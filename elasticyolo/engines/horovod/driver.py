@@ -32,7 +32,8 @@ from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
 from elasticyolo.cluster.liveness import LivenessServer, Verdict
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
-from elasticyolo.engines.horovod.failures import SlotFacts, slot_outcome
+from elasticyolo.engines.horovod.abort import ABORT
+from elasticyolo.engines.horovod.failures import SlotFacts, abort_targets, slot_outcome
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -192,8 +193,25 @@ class DriverRunner:
         return False
 
     def _on_liveness(self, changes: dict[str, Verdict]) -> None:
-        # A lost node: wake the workers' waiters now rather than at the next etcd poll.
+        # A lost node: wake the workers' waiters now rather than at the next etcd poll, and make
+        # the rest of the world abort a collective that may be blocked on it.
         self.view.poke()
+        driver = self.driver
+        lost = {n for n, v in changes.items() if v in (Verdict.DEAD, Verdict.SUSPECT)}
+        if not lost or driver is None or driver.finished():
+            return
+        try:
+            world = set(driver.host_assignments)
+            clients = dict(driver._worker_clients)
+        except RuntimeError:  # changed size while copying: the next change will do
+            return
+        targets = abort_targets(lost, world, clients)
+        if targets:
+            self.log.info("aborting the world's collective", lost=sorted(lost), workers=len(targets))
+        stamp = int(time.time())
+        for host, slot in targets:
+            threading.Thread(target=_notify_abort, args=(clients[(host, slot)], stamp, self.log), daemon=True,
+                             name=f"abort-{host}-{slot}").start()
 
     def _clear_launches(self) -> None:
         # Fenced: a deposed driver must not delete its successor's requests.
@@ -375,6 +393,13 @@ class DriverRunner:
             self.client.delete(self.keys.exit(request_id))
         except (UnavailableError, EtcdError):
             pass  # leased by the node: goes with it
+
+
+def _notify_abort(client: Any, stamp: int, log: Any) -> None:
+    try:
+        client.notify_hosts_updated(stamp, ABORT)
+    except Exception as exc:  # noqa: BLE001 - that worker may be gone too; its peers abort it anyway
+        log.debug("abort notification failed", error=str(exc))
 
 
 def _stop_driver(driver: ElasticDriver, error: str | None) -> None:

@@ -19,6 +19,7 @@ must be reported only for a worker that really is gone:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from elasticyolo.cluster.liveness import Verdict
 
@@ -50,3 +51,12 @@ def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S) -> tuple[str, int
         if f.reset_pending_s is not None and f.reset_pending_s >= grace_s and not f.registered:
             return "node-gone", None
     return None
+
+
+def abort_targets(lost: set[str], world_hosts: set[str], workers: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The workers to tell to abort their collective (engines/horovod/abort.py) when `lost` nodes
+    are lost: every worker of the current world on another host, if a lost node is in that world
+    (a world blocked on it would otherwise wait out Gloo's timeout)."""
+    if not lost & world_hosts:
+        return []
+    return sorted((h, s) for h, s in set(workers) if h in world_hosts and h not in lost)
