@@ -83,7 +83,7 @@ def test_slot_outcome_suspect_waits_for_the_reset() -> None:
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.6)) == ("node-gone", None)
     assert slot_outcome(facts(record_present=False, reset_pending_s=0.6)) == ("node-gone", None)
     # Already out of the world (Horovod removed the host): the result is ignored by Horovod.
-    assert slot_outcome(facts(liveness=Verdict.SUSPECT, assigned=False)) == ("node-gone", None)
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, assigned=False)) == ("left", None)
     # A healthy node with a reset pending is never failed by the driver.
     assert slot_outcome(facts(reset_pending_s=10.0)) is None
 

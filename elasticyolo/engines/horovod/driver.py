@@ -345,6 +345,10 @@ class DriverRunner:
             if what == "exit":
                 log.info("worker exited", code=code)
                 return code, time.time()
+            if what == "left":
+                log.info("node lost; its worker had left the world already",
+                         liveness=self._verdict(slot.hostname).value)
+                return 1, time.time()
             if what == "node-gone":
                 log.warning("node lost; counting its worker as failed",
                             liveness=self._verdict(slot.hostname).value)

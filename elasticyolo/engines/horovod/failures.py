@@ -38,7 +38,8 @@ class SlotFacts:
 
 
 def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S) -> tuple[str, int | None] | None:
-    """("exit", code) | ("stop", None) | ("node-gone", None) | None (keep waiting)."""
+    """("exit", code) | ("stop", None) | ("node-gone", None): count it failed | ("left", None): the
+    worker is out of the world already (Horovod ignores what is returned) | None: keep waiting."""
     if f.exit_code is not None:
         return "exit", f.exit_code
     if f.stopping:
@@ -47,7 +48,7 @@ def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S) -> tuple[str, int
         return "node-gone", None
     if f.liveness is Verdict.SUSPECT or not f.record_present:
         if not f.assigned:
-            return "node-gone", None
+            return "left", None
         if f.reset_pending_s is not None and f.reset_pending_s >= grace_s and not f.registered:
             return "node-gone", None
     return None
