@@ -67,7 +67,8 @@ class Agent:
             pid=os.getpid(),
         )
         self.registration = NodeRegistration(self.client, self.keys, self.record, cfg.ttl,
-                                             on_lease_lost=self.wake, on_renew=self.metrics.observe_renew)
+                                             on_lease_lost=self.wake, on_renew=self.metrics.observe_renew,
+                                             keepalive_client=self.new_client())
         self.election = LeaderElection(self.client, self.keys, self.registration, handover=cfg.handover)
         self.tick_s = min(1.0, max(0.1, cfg.ttl / 4))
         if self.notifier.watchdog_s:
@@ -449,6 +450,8 @@ class Agent:
         if self.liveness is not None:
             self.liveness.stop()
         self.client.close()
+        if self.registration.keepalive_client is not self.client:
+            self.registration.keepalive_client.close()
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
