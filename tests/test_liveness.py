@@ -179,3 +179,22 @@ def test_abort_targets_the_rest_of_the_world_only() -> None:
     assert abort_targets({"c"}, {"a", "b", "c"}, workers) == [("a", 0), ("b", 0), ("b", 1)]
     # A lost node outside the world (not yet joined, or removed already) costs the world nothing.
     assert abort_targets({"d"}, {"a", "b", "c"}, workers) == []
+
+
+def test_a_connection_without_the_nodes_token_cannot_drop_it() -> None:
+    import socket as _socket
+
+    server = LivenessServer("127.0.0.1", timeout_s=0.5).start()
+    try:
+        spoof = _socket.create_connection(("127.0.0.1", server.port))
+        spoof.sendall(b'{"hello": "x", "lease": 0, "token": "guess"}\n')
+        wait_for(lambda: server.verdict("x") is Verdict.ALIVE, 5, "the claim registered")
+        spoof.close()  # as if x had died
+        wait_for(lambda: server.verdict("x") is Verdict.DEAD, 5, "the close seen")
+        assert server.lost() == {"x"}
+        # The driver asks with the tokens from the node records: a wrong token is no verdict.
+        assert server.lost({"x": "the-real-token"}) == set()
+        assert server.verdict("x", "the-real-token") is Verdict.UNKNOWN
+        assert server.lost({"x": "guess"}) == {"x"}
+    finally:
+        server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -88,7 +89,8 @@ class Agent:
         # Fast failure signals (cluster/liveness.py): every agent listens (the leader's server is
         # the one in use) and keeps a heartbeat connection to the current leader.
         self.liveness: LivenessServer | None = None
-        self.liveness_client = LivenessClient(cfg.node_id, cfg.heartbeat_interval_s, self.lease_id)
+        self.liveness_client = LivenessClient(cfg.node_id, cfg.heartbeat_interval_s, self.lease_id,
+                                              token=secrets.token_hex(16))
 
     # ---- NodeAPI: what plug-ins and signal handlers use --------------------------------------
     @property
@@ -433,6 +435,7 @@ class Agent:
             self.log.warning("liveness server not started", addr=self.cfg.addr, error=str(exc))
         else:
             self.record.extra["liveness"] = self.liveness.endpoint
+        self.record.extra["liveness_token"] = self.liveness_client.token
         self.liveness_client.start()
 
     def _shutdown(self) -> None:

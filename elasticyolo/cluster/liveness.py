@@ -13,8 +13,11 @@ signals feed the leader's driver:
   (engines/horovod/driver.py), so an agent that is frozen while its worker trains never costs the
   world a healthy member, and a wrongly suspected node comes back with its next heartbeat.
 
-Wire format: newline-terminated lines. Client -> server: `{"hello": node, "lease": id}`, then
-`.` per heartbeat, `bye` before a deliberate close. The server never writes.
+Wire format: newline-terminated lines. Client -> server: `{"hello": node, "lease": id, "token": t}`,
+then `.` per heartbeat, `bye` before a deliberate close. The server never writes. The token is a
+random value the agent also puts in its node record (`liveness_token`): a verdict counts only when
+the connection's token matches the node's record, so a process that can reach the port but not
+etcd cannot make the leader drop a node by claiming its name.
 
 Decisions are pure (`PeerTable` + `verdict`), stepped with a fake clock in tests/test_liveness.py;
 `LivenessServer` (one selector thread) and `LivenessClient` (one thread) only apply them.
@@ -51,6 +54,7 @@ class Peer:
     session: int  # which connection speaks for the node (the newest hello wins)
     last_beat: float
     closed_at: float | None = None  # EOF/RST without bye
+    token: str = ""  # what the connection said in its hello (checked against the node record)
 
 
 def verdict(peer: Peer | None, now: float, timeout_s: float) -> Verdict:
@@ -69,8 +73,8 @@ class PeerTable:
         self.peers: dict[str, Peer] = {}
         self._by_session: dict[int, str] = {}
 
-    def hello(self, session: int, node: str, now: float) -> None:
-        self.peers[node] = Peer(node, session, now)
+    def hello(self, session: int, node: str, now: float, token: str = "") -> None:
+        self.peers[node] = Peer(node, session, now, token=token)
         self._by_session[session] = node
 
     def beat(self, session: int, now: float) -> None:
@@ -156,14 +160,22 @@ class LivenessServer:
             if fn in self._listeners:
                 self._listeners.remove(fn)
 
-    def verdict(self, node: str) -> Verdict:
+    def verdict(self, node: str, token: str | None = None) -> Verdict:
+        """The node's verdict; UNKNOWN when `token` is given and the connection's differs."""
         with self._lock:
-            return verdict(self.table.peers.get(node), self.clock(), self.table.timeout_s)
+            peer = self.table.peers.get(node)
+            if peer is not None and token is not None and peer.token != token:
+                return Verdict.UNKNOWN
+            return verdict(peer, self.clock(), self.table.timeout_s)
 
-    def lost(self) -> set[str]:
-        """Nodes that must not be offered to the world now (DEAD or SUSPECT)."""
+    def lost(self, tokens: dict[str, str] | None = None) -> set[str]:
+        """Nodes that must not be offered to the world now (DEAD or SUSPECT); with `tokens`
+        (node -> its record's liveness token) only nodes whose connection presented that token."""
         with self._lock:
-            return {n for n, v in self.table.verdicts(self.clock()).items() if v in (Verdict.DEAD, Verdict.SUSPECT)}
+            now = self.clock()
+            return {n for n, p in self.table.peers.items()
+                    if verdict(p, now, self.table.timeout_s) in (Verdict.DEAD, Verdict.SUSPECT)
+                    and (tokens is None or tokens.get(n) == p.token)}
 
     def forget(self, node: str) -> None:
         with self._lock:
@@ -224,11 +236,12 @@ class LivenessServer:
                 pass  # handled below, after the lock
             else:
                 try:
-                    node = str(json.loads(line)["hello"])
-                except (ValueError, KeyError, TypeError):
-                    node = ""
+                    hello = json.loads(line)
+                    node, token = str(hello["hello"]), str(hello.get("token") or "")
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    node, token = "", ""
                 if node:
-                    self.table.hello(session, node, now)
+                    self.table.hello(session, node, now, token)
         if line == b"bye":
             self._close(session, now, graceful=True)
 
@@ -275,8 +288,8 @@ class LivenessClient:
     at the current leader's server (None: no leader, or we lead); a thread connects, says hello,
     and sends a heartbeat every `interval_s`."""
 
-    def __init__(self, node_id: str, interval_s: float, lease: Callable[[], int]) -> None:
-        self.node_id, self.interval_s, self.lease = node_id, interval_s, lease
+    def __init__(self, node_id: str, interval_s: float, lease: Callable[[], int], token: str = "") -> None:
+        self.node_id, self.interval_s, self.lease, self.token = node_id, interval_s, lease, token
         self._target: str | None = None
         self._cond = threading.Condition()
         self._stop = False
@@ -331,7 +344,8 @@ class LivenessClient:
         try:
             sock = socket.create_connection((host, int(port)), timeout=max(self.interval_s, 0.2))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(json.dumps({"hello": self.node_id, "lease": self.lease()}).encode() + b"\n")
+            hello = {"hello": self.node_id, "lease": self.lease(), "token": self.token}
+            sock.sendall(json.dumps(hello).encode() + b"\n")
             sock.settimeout(max(self.interval_s, 0.2))
             log.info("liveness connected", leader=endpoint)
             return sock

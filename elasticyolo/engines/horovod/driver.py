@@ -133,7 +133,7 @@ class DriverRunner:
             if self.liveness is not None:
                 self.liveness.add_listener(self._on_liveness)
             rendezvous = BoundRendezvousServer(self.addr)
-            lost = self.liveness.lost if self.liveness is not None else None
+            lost = self._lost_nodes if self.liveness is not None else None
             driver = FencedElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots, exclude=lost), min_np, max_np,
                                          timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
                                          cooldown_range=tuple(spec.cooldown_s),
@@ -197,7 +197,7 @@ class DriverRunner:
         # the rest of the world abort a collective that may be blocked on it.
         self.view.poke()
         driver = self.driver
-        lost = {n for n, v in changes.items() if v in (Verdict.DEAD, Verdict.SUSPECT)}
+        lost = {n for n, v in changes.items() if v in (Verdict.DEAD, Verdict.SUSPECT)} & self._lost_nodes()
         if not lost or driver is None or driver.finished():
             return
         try:
@@ -362,8 +362,19 @@ class DriverRunner:
             log.info("worker stopped", code=code)
             return code, time.time()
 
+    def _tokens(self) -> dict[str, str]:
+        return {n: str(r.get("liveness_token") or "") for n, r in self.view.snapshot.nodes.items()}
+
+    def _lost_nodes(self) -> set[str]:
+        # Only verdicts of connections that proved to be the node (its record's token).
+        return self.liveness.lost(self._tokens()) if self.liveness is not None else set()
+
     def _verdict(self, node: str) -> Verdict:
-        return self.liveness.verdict(node) if self.liveness is not None else Verdict.UNKNOWN
+        if self.liveness is None:
+            return Verdict.UNKNOWN
+        rec = self.view.snapshot.nodes.get(node)
+        # A node whose record is gone (lease expired) keeps the verdict its last connection earned.
+        return self.liveness.verdict(node, None if rec is None else str(rec.get("liveness_token") or ""))
 
     def _slot_facts(self, slot: SlotInfo, snap: Snapshot, started: float, exit_code: int | None,
                     stopping: bool) -> SlotFacts:
