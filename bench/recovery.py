@@ -94,7 +94,7 @@ class ElasticyoloRun:
             torch_bench = _load_torch_bench()
             env.update(ELASTICYOLO_TORCH_RDZV_CONF=torch_bench.RDZV_CONF,
                        ELASTICYOLO_TORCH_MONITOR_INTERVAL=torch_bench.MONITOR)
-        self.c = AgentCluster(endpoints, f"bench-{engine}", tmp, env=env)
+        self.c = AgentCluster(endpoints, f"bench-{tmp.name}", tmp, env=env)  # one job per run
         self.data, self.submitted, self.engine = data, False, engine
         self.frozen: list[int] = []
 
@@ -279,7 +279,7 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
         wait(sc.events, lambda ev: len(rank0_steps(ev, 2, after=step["t"])) >= 6, 120)
         t_join = time.time()
         sc.start("d")
-        new = wait(sc.events, lambda ev: first_step(ev, t_join, 3), 300)
+        new = wait(sc.events, lambda ev: first_step(ev, t_join, 3), 180)
         if new is None:
             return {**out, "join_pause_s": None, "error": "no step at world 3 after the join"}
         ev = sc.events()
