@@ -31,8 +31,8 @@ from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
 from elasticyolo.cluster.liveness import LivenessServer, Verdict
-from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
 from elasticyolo.engines.horovod.abort import ABORT
+from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
 from elasticyolo.engines.horovod.failures import SlotFacts, abort_targets, slot_outcome
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
