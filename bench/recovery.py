@@ -3,20 +3,29 @@
 * `elasticyolo`   - `elasticyolo agent` daemons (engine=horovod: the leader's agent runs Horovod's
                     ElasticDriver with etcd discovery; node agents launch pre-warmed workers);
 * `horovodrun`    - stock `horovodrun --gloo` elastic with a host discovery script (same worker);
+* `elasticyolo-torch` - the same agents with engine=torch (torch elastic on our etcd v3
+                    rendezvous; it restarts the world on every membership change);
 * `torchrun-c10d` - stock `torchrun --rdzv-backend=c10d`, which restarts the world on every
                     membership change (the torch engine's worker: same TrainCore/model/data; see
                     bench/recovery_torch.py, whose runner is reused).
 
 Same model and data everywhere: yolov8n on 24 generated 64 px images, batch 4 per worker, gloo on
-loopback, one worker per "node", OMP_NUM_THREADS=1. Schedule: nodes A, B, C train at world 3;
-C is SIGKILLed (its agent for elasticyolo/torchrun, its worker + discovery entry for horovodrun);
-then node D starts. Figures, read from the workers' traces:
+loopback (Gloo timeout 5 s for the Horovod runs), one worker per "node", OMP_NUM_THREADS=1.
+Schedule of one run: nodes A, B, C train at world 3; C is SIGKILLed (process death: its agent for
+elasticyolo/torchrun, its worker + discovery entry for horovodrun); node D starts; then a node of
+the new world vanishes (SIGSTOP of its agent and every process under it - nothing is closed; for
+horovodrun its worker is stopped and dropped from discovery), and is SIGKILLed after the
+measurement. Figures, read from the workers' traces:
 
   (a) loss_s: SIGKILL -> the first step of the new (2-worker) world completed by every rank;
   (b) join_pause_s: how long the running workers stop when D joins: the gap between the last
-      step of the old world and the first step of the new one, less one normal step.
+      step of the old world and the first step of the new one, less one normal step;
+  (c) vanish_s: SIGSTOP -> the first step of the 2-worker world completed by every rank.
 
-    .venv/bin/python bench/recovery.py [--which elasticyolo,horovodrun,torchrun-c10d] [--json out.json]
+Each system runs `--repeat` times (default 3); the table shows medians, and the ratios
+elasticyolo / baseline of the medians.
+
+    .venv/bin/python bench/recovery.py [--which elasticyolo,...] [--repeat 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from elasticyolo.testing.horovod_run import HorovodElasticJob
 from elasticyolo.testing.servers import EtcdCluster
 from elasticyolo.testing.trace import pids_by_rank, read_trace
 
-ALL = ("elasticyolo", "horovodrun", "torchrun-c10d")
+ALL = ("elasticyolo", "elasticyolo-torch", "horovodrun", "torchrun-c10d")
+NO_STEP_S = 120.0  # a run that does not train within this long after a loss counts as "no step"
 COMMON = ["model=yolov8n.yaml", "epochs=500", "imgsz=64", "batch=4", "nbs=4", "warmup_epochs=0", "close_mosaic=0",
           "val=false", "amp=false", "commit_every=2"]
 
@@ -59,28 +69,68 @@ def _load_torch_bench() -> Any:
     return mod
 
 
-# ---- scenarios: start(node) / kill(node) / events() / close() -----------------------------
+def process_tree(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+# ---- scenarios: start(node) / kill(node) / freeze() / events() / close() ------------------
 class ElasticyoloRun:
-    def __init__(self, tmp: Path, endpoints: str, data: Path) -> None:
-        self.c = AgentCluster(endpoints, "bench-hvd", tmp, env={"OMP_NUM_THREADS": "1"})
-        self.data, self.submitted = data, False
+    def __init__(self, tmp: Path, endpoints: str, data: Path, engine: str = "horovod") -> None:
+        env = {"OMP_NUM_THREADS": "1"}
+        if engine == "torch":
+            torch_bench = _load_torch_bench()
+            env.update(ELASTICYOLO_TORCH_RDZV_CONF=torch_bench.RDZV_CONF,
+                       ELASTICYOLO_TORCH_MONITOR_INTERVAL=torch_bench.MONITOR)
+        self.c = AgentCluster(endpoints, f"bench-{tmp.name}", tmp, env=env)  # one job per run
+        self.data, self.submitted, self.engine = data, False, engine
+        self.frozen: list[int] = []
 
     def start(self, node: str) -> None:
         self.c.start(node)
         if not self.submitted and len(self.c.agents) == 3:
             self.c.wait(lambda: self.c.ready(list(self.c.agents)), 30, "agents registered")
-            self.c.submit(*spec_pairs(self.data))
+            self.c.submit(*spec_pairs(self.data), f"engine={self.engine}")
             self.submitted = True
 
+    def _victim(self, node: str) -> str:
+        # Measure the loss of a worker node, not of the leader (that is a different path).
+        live = [n for n in self.c.agents if self.c.agents[n].proc.poll() is None and not self._is_frozen(n)]
+        return node if node in live and self.c.leader() != node else next(n for n in live if n != self.c.leader())
+
+    def _is_frozen(self, node: str) -> bool:
+        proc = self.c.agents[node].proc
+        return proc is not None and proc.pid in self.frozen
+
     def kill(self, node: str) -> None:
-        if self.c.leader() == node:  # measure the loss of a worker node, not of the leader
-            node = next(n for n in self.c.agents if n != node and self.c.agents[n].proc.poll() is None)
-        self.c.kill(node)
+        self.c.kill(self._victim(node))
+
+    def freeze(self) -> None:
+        proc = self.c.agents[self._victim("")].proc
+        assert proc is not None
+        self.frozen = process_tree(proc.pid)
+        signal_all(self.frozen, signal.SIGSTOP)
+
+    def unfreeze_kill(self) -> None:
+        signal_all(self.frozen, signal.SIGKILL)
 
     def events(self) -> list[dict[str, Any]]:
         return self.c.events()
 
     def close(self) -> None:
+        self.unfreeze_kill()
         self.c.stop()
 
 
@@ -91,6 +141,7 @@ class HorovodrunRun:
         self.tmp, self.data = tmp, data
         self.hosts: list[str] = []
         self.job: HorovodElasticJob | None = None
+        self.frozen: list[int] = []
 
     def _host_line(self, node: str) -> str:
         return f"{self.HOSTS[node]}:1"
@@ -114,6 +165,19 @@ class HorovodrunRun:
         self.job.set_hosts([self._host_line(n) for n in self.hosts])
         os.kill(pid, signal.SIGKILL)
 
+    def freeze(self) -> None:
+        # The node vanishes without closing anything: its worker stops, discovery drops it.
+        assert self.job is not None
+        node = next(n for n in reversed(self.hosts) if self.HOSTS[n] != "localhost")  # not rank 0's host
+        pid = self.pid_on(self.HOSTS[node])
+        self.hosts.remove(node)
+        self.job.set_hosts([self._host_line(n) for n in self.hosts])
+        self.frozen = process_tree(pid)
+        signal_all(self.frozen, signal.SIGSTOP)
+
+    def unfreeze_kill(self) -> None:
+        signal_all(self.frozen, signal.SIGKILL)
+
     def pid_on(self, host: str) -> int:
         # Horovod orders new hosts by set iteration: find the worker by its HOROVOD_HOSTNAME.
         import psutil
@@ -130,6 +194,7 @@ class HorovodrunRun:
         return self.job.events() if self.job else []
 
     def close(self) -> None:
+        self.unfreeze_kill()
         if self.job is not None:
             self.job.stop()
 
@@ -141,6 +206,7 @@ class TorchrunRun:
         from elasticyolo.spec import TrainSpec
 
         self.inner.spec = TrainSpec.from_pairs([*COMMON, f"data={data}", "engine=torch"])
+        self.frozen: list[int] = []
 
     def start(self, node: str) -> None:
         self.inner.start(node)
@@ -150,10 +216,20 @@ class TorchrunRun:
     def kill(self, node: str) -> None:
         self.inner.kill(node)
 
+    def freeze(self) -> None:
+        # A node other than A (A hosts the c10d store: losing it ends a c10d job by design).
+        node = next(n for n in ("d", "b", "c") if n in self.inner.procs and self.inner.procs[n].poll() is None)
+        self.frozen = process_tree(self.inner.procs[node].pid)
+        signal_all(self.frozen, signal.SIGSTOP)
+
+    def unfreeze_kill(self) -> None:
+        signal_all(self.frozen, signal.SIGKILL)
+
     def events(self) -> list[dict[str, Any]]:
         return self.inner.events()
 
     def close(self) -> None:
+        self.unfreeze_kill()
         self.inner.close()
 
 
@@ -186,6 +262,7 @@ def rank0_steps(ev: list[dict[str, Any]], world: int, after: float = 0.0, before
 
 def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
     sc: Any = (ElasticyoloRun(tmp, endpoints, data) if name == "elasticyolo"
+               else ElasticyoloRun(tmp, endpoints, data, engine="torch") if name == "elasticyolo-torch"
                else HorovodrunRun(tmp, data) if name == "horovodrun" else TorchrunRun(tmp, data))
     out: dict[str, Any] = {}
     try:
@@ -195,14 +272,14 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
             return {"error": "never trained at world 3"}
         t_kill = time.time()
         sc.kill("c")
-        step = wait(sc.events, lambda ev: first_step(ev, t_kill, 2), 180)
+        step = wait(sc.events, lambda ev: first_step(ev, t_kill, 2), NO_STEP_S)
         out["loss_s"] = round(step["t"] - t_kill, 2) if step else None
         if step is None:
             return {**out, "error": "no step after the kill"}
         wait(sc.events, lambda ev: len(rank0_steps(ev, 2, after=step["t"])) >= 6, 120)
         t_join = time.time()
         sc.start("d")
-        new = wait(sc.events, lambda ev: first_step(ev, t_join, 3), 300)
+        new = wait(sc.events, lambda ev: first_step(ev, t_join, 3), 180)
         if new is None:
             return {**out, "join_pause_s": None, "error": "no step at world 3 after the join"}
         ev = sc.events()
@@ -212,6 +289,15 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
         out["join_pause_s"] = round(max(0.0, new["t"] - old[-1] - normal), 2) if old else None
         out["join_total_s"] = round(new["t"] - t_join, 2)
         out["step_s"] = round(normal, 2)
+        # (c) a node of the new world vanishes.
+        wait(sc.events, lambda ev: len(rank0_steps(ev, 3, after=new["t"])) >= 6, 120)
+        t_freeze = time.time()
+        sc.freeze()
+        gone = wait(sc.events, lambda ev: first_step(ev, t_freeze, 2), NO_STEP_S)
+        sc.unfreeze_kill()
+        out["vanish_s"] = round(gone["t"] - t_freeze, 2) if gone else None
+        if gone is None:
+            out["error"] = f"no step within {NO_STEP_S:g} s after a node vanished"
         return out
     finally:
         sc.close()
@@ -220,6 +306,7 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--which", default=",".join(ALL))
+    ap.add_argument("--repeat", type=int, default=3, help="runs per system (the table shows medians)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
@@ -228,26 +315,35 @@ def main() -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     data = write_dataset(root / "data", SynthSpec(train=24, val=4, imgsz=64, classes=2))
-    results: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    names = args.which.split(",")
     with EtcdCluster(size=1) as etcd:
-        for name in args.which.split(","):
-            tmp = root / name
-            tmp.mkdir()
-            t0 = time.monotonic()
-            results[name] = run_one(name, tmp, etcd.endpoints, data)
-            results[name]["wall_s"] = round(time.monotonic() - t0, 1)
-            print(f"{name:14s} {json.dumps(results[name])}", flush=True)
-    print("\n(a) SIGKILL of 1 of 3 nodes -> first step of the new world; (b) pause of the running world on a join")
-    print(f"{'system':14s} {'loss_s':>8s} {'join_pause_s':>13s} {'join_total_s':>13s} {'step_s':>7s}")
-    for name, r in results.items():
-        print(f"{name:14s} {_f(r.get('loss_s')):>8s} {_f(r.get('join_pause_s')):>13s} "
-              f"{_f(r.get('join_total_s')):>13s} {_f(r.get('step_s')):>7s}  {r.get('error', '')}")
-    e = results.get("elasticyolo", {})
-    for base in ("horovodrun", "torchrun-c10d"):
-        b = results.get(base, {})
-        for key in ("loss_s", "join_pause_s"):
-            if e.get(key) is not None and b.get(key):
-                print(f"{key} elasticyolo / {base}: {e[key] / b[key]:.2f}")
+        for i in range(args.repeat):  # interleaved, so load changes on the machine hit every system alike
+            for name in names:
+                tmp = root / f"{name}-{i}"
+                tmp.mkdir()
+                t0 = time.monotonic()
+                r = run_one(name, tmp, etcd.endpoints, data)
+                r["wall_s"] = round(time.monotonic() - t0, 1)
+                runs.setdefault(name, []).append(r)
+                print(f"{name:18s} run {i + 1}: {json.dumps(r)}", flush=True)
+    results = {name: {"median": medians(rs), "runs": rs} for name, rs in runs.items()}
+    print(f"\nmedians of {args.repeat} runs. (a) SIGKILL of 1 of 3 nodes -> first step of the new world; "
+          "(b) pause of the running world on a join; (c) a node vanishes (SIGSTOP) -> first step of the new world")
+    print(f"{'system':18s} {'loss_s':>8s} {'join_pause_s':>13s} {'join_total_s':>13s} {'vanish_s':>9s} {'step_s':>7s}")
+    for name, res in results.items():
+        m = res["median"]
+        errors = sorted({r["error"] for r in res["runs"] if r.get("error")})
+        print(f"{name:18s} {_f(m.get('loss_s')):>8s} {_f(m.get('join_pause_s')):>13s} "
+              f"{_f(m.get('join_total_s')):>13s} {_f(m.get('vanish_s')):>9s} {_f(m.get('step_s')):>7s}  "
+              f"{'; '.join(errors)}")
+    for mine in ("elasticyolo", "elasticyolo-torch"):
+        e = results.get(mine, {}).get("median", {})
+        for base in ("horovodrun", "torchrun-c10d"):
+            b = results.get(base, {}).get("median", {})
+            for key in ("loss_s", "join_pause_s", "vanish_s"):
+                if e.get(key) is not None and b.get(key):
+                    print(f"{key} {mine} / {base}: {e[key] / b[key]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if not args.keep:
@@ -255,6 +351,21 @@ def main() -> int:
     else:
         print(f"work dir kept: {root}")
     return 0
+
+
+def medians(rs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per figure, the median over the runs that trained at all; a run without the figure (no
+    step) counts as NO_STEP_S, so a system that fails in most runs shows no better than that."""
+    out: dict[str, float | None] = {}
+    rs = [r for r in rs if r.get("error") != "never trained at world 3"]  # no measurement at all
+    for key in ("loss_s", "join_pause_s", "join_total_s", "vanish_s", "step_s"):
+        vals = [r.get(key) for r in rs]
+        if all(v is None for v in vals):
+            out[key] = None
+            continue
+        got = sorted(NO_STEP_S if v is None else float(v) for v in vals)
+        out[key] = round(statistics.median(got), 2)
+    return out
 
 
 def _f(v: Any) -> str:

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from elasticyolo.cluster.etcd import parse_endpoints
 from elasticyolo.cluster.keys import check_job_name, check_node_id
@@ -60,6 +60,10 @@ class AgentConfig(S3Settings):
 
     # behaviour
     ttl: int = Field(5, ge=1, le=300, description="lease TTL in seconds")
+    # Fast failure signals (cluster/liveness.py): a heartbeat to the leader every interval; none for
+    # the timeout makes the node a suspect. Default timeout: min(2, 0.75 * ttl).
+    heartbeat_interval_s: float = Field(0.25, gt=0, le=60, description="seconds between heartbeats to the leader")
+    heartbeat_timeout_s: float | None = Field(None, gt=0, description="no heartbeat this long: node suspected")
     handover: bool = Field(True, description="a preemptible leader hands over to a non-preemptible node")
     drain_timeout_s: float = Field(60.0, ge=0)
     startup_timeout_s: float = Field(60.0, ge=0, description="give up (exit 3) if etcd is unreachable this long at start")
@@ -139,6 +143,22 @@ class AgentConfig(S3Settings):
             raise ValueError("expected debug, info, warning or error")
         return v.lower()
 
+    @field_validator("heartbeat_timeout_s")
+    @classmethod
+    def _heartbeat_below_ttl(cls, v: float | None, info: ValidationInfo) -> float | None:
+        ttl = info.data.get("ttl")
+        if v is not None and ttl is not None and v >= ttl:
+            raise ValueError(f"{v:g} s is not below the lease ttl ({ttl} s); the lease would decide first")
+        interval = info.data.get("heartbeat_interval_s")
+        if v is not None and interval is not None and interval >= v:
+            raise ValueError(f"{v:g} s is not above heartbeat_interval_s ({interval:g} s)")
+        return v
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """The effective heartbeat timeout (the setting, or min(2, 0.75 * ttl))."""
+        return self.heartbeat_timeout_s if self.heartbeat_timeout_s is not None else min(2.0, 0.75 * self.ttl)
+
     @field_validator("spot_provider")
     @classmethod
     def _provider_ok(cls, v: str) -> str:
@@ -155,6 +175,9 @@ class AgentConfig(S3Settings):
 
     @model_validator(mode="after")
     def _pairs(self) -> "AgentConfig":
+        if self.heartbeat_interval_s >= self.heartbeat_timeout:
+            raise ValueError(f"heartbeat_interval_s: {self.heartbeat_interval_s:g} s is not below the heartbeat "
+                             f"timeout ({self.heartbeat_timeout:g} s)")
         if bool(self.etcd_cert) != bool(self.etcd_key):
             raise ValueError("etcd_cert and etcd_key go together")
         if self.etcd_password is None:
@@ -241,7 +264,8 @@ def load_agent_config(config_path: str | None, flags: Mapping[str, Any],
             src = origin.get(field, "")
             if err["type"] == "extra_forbidden":
                 msg = "unknown setting"
-            parts.append(f"{field or 'config'}: {msg}" + (f" (from {src})" if src else ""))
+            # A check across settings names its settings itself.
+            parts.append((f"{field}: {msg}" if field else msg) + (f" (from {src})" if src else ""))
         raise UserError("invalid agent config: " + "; ".join(parts)) from None
     cfg.train_spec(where=origin.get("spec", "agent config"))  # a bad spec fails now, before any write
     return cfg

@@ -12,13 +12,14 @@ HOROVOD_VERSION=0.28.1
 WHEEL_CACHE=${ELASTICYOLO_WHEEL_CACHE:-$HOME/.cache/elasticyolo/wheels}
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-# 1. Debian packages: etcd (server + etcdctl). The package starts no service in a container;
-#    tests start their own server on 127.0.0.1.
-if ! command -v etcd >/dev/null 2>&1 || ! command -v etcdctl >/dev/null 2>&1; then
-  log "installing etcd-server etcd-client"
+# 1. Debian packages: etcd (server + etcdctl; the package starts no service in a container: tests
+#    start their own server on 127.0.0.1) and stress-ng (a CPU hog beside the chaos tests must not
+#    cause false evictions: run `stress-ng --cpu 2` next to `make test-slow`).
+if ! command -v etcd >/dev/null 2>&1 || ! command -v etcdctl >/dev/null 2>&1 || ! command -v stress-ng >/dev/null 2>&1; then
+  log "installing etcd-server etcd-client stress-ng"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client stress-ng >/dev/null
 fi
 
 # 1b. Tools the deployment tests use: systemd-analyze (unit verify/security), python3-seccomp

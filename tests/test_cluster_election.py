@@ -98,3 +98,31 @@ def test_preemptible_defers_and_hands_over(etcd_server: EtcdCluster, job_name: s
     finally:
         rs.leave()
         ro.leave()
+
+
+def test_keepalive_is_independent_of_the_agents_slow_requests(etcd_server: EtcdCluster, job_name: str) -> None:
+    """The agent's own requests may hang (a loaded etcd, a stuck member): the lease is renewed on
+    a connection of its own, so the node is never evicted for that."""
+    import socket
+    import threading
+
+    hole = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    keys = JobKeys(job_name)
+    real = EtcdClient(etcd_server.endpoints)
+    stuck = EtcdClient(f"127.0.0.1:{hole.getsockname()[1]}", timeout=30, retry_window=30)
+    reg = NodeRegistration(real, keys, NodeRecord(node_id="a", host="h", addr="127.0.0.1", slots=1), 1,
+                           keepalive_client=EtcdClient(etcd_server.endpoints))
+    reg.register()
+    reg.client = stuck  # from now on every request of "the agent" hangs
+    reg.start_keepalive()
+    hung = threading.Thread(target=lambda: reg.update(state="TRAINING"), daemon=True)
+    hung.start()
+    try:
+        time.sleep(3.5)  # three TTLs with the agent's writer stuck
+        assert hung.is_alive(), "the agent's request did not hang: the test proves nothing"
+        assert reg.lease_valid() and not reg.lease_lost()
+        assert [r.node_id for r, _ in read_nodes(real, keys)] == ["a"]
+    finally:
+        reg.stop_keepalive()
+        real.lease_revoke(reg.lease_id)
+        hole.close()

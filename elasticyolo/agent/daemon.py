@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
 from elasticyolo.cluster.jobs import submit_spec
 from elasticyolo.cluster.keys import JOB_CANCELLED, JOB_DONE, JOB_FAILED, JOB_SUBMITTED, JobKeys
+from elasticyolo.cluster.liveness import LivenessClient, LivenessServer
 from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.config import AgentConfig
@@ -77,7 +79,8 @@ class Agent:
             pid=os.getpid(), extra={"on_demand_per_hour": price.on_demand_per_hour, "price_source": price.source},
         )
         self.registration = NodeRegistration(self.client, self.keys, self.record, cfg.ttl,
-                                             on_lease_lost=self.wake, on_renew=self.metrics.observe_renew)
+                                             on_lease_lost=self.wake, on_renew=self.metrics.observe_renew,
+                                             keepalive_client=self.new_client())
         self.election = LeaderElection(self.client, self.keys, self.registration, handover=cfg.handover)
         self.tick_s = min(1.0, max(0.1, cfg.ttl / 4))
         if self.notifier.watchdog_s:
@@ -94,6 +97,11 @@ class Agent:
         self._last_trim = 0.0
         self._watch_cancel: Callable[[], None] | None = None
         self.metrics_port: int | None = None
+        # Fast failure signals (cluster/liveness.py): every agent listens (the leader's server is
+        # the one in use) and keeps a heartbeat connection to the current leader.
+        self.liveness: LivenessServer | None = None
+        self.liveness_client = LivenessClient(cfg.node_id, cfg.heartbeat_interval_s, self.lease_id,
+                                              token=secrets.token_hex(16))
 
     # ---- NodeAPI: what plug-ins and signal handlers use --------------------------------------
     @property
@@ -199,6 +207,7 @@ class Agent:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
             self.log.info("metrics listening", addr=self.cfg.metrics_addr, port=self.metrics_port)
         self._wait_for_etcd()
+        self._start_liveness()
         self._call_plugins("on_start")
         self._submit_config_spec()
         self._start_watch()
@@ -224,6 +233,12 @@ class Agent:
                 self._apply(transition)
             if self.state in (NodeState.IDLE, NodeState.TRAINING):
                 self._lead()
+            # Heartbeats only from a registered member (a restarting agent must not revive its
+            # predecessor's record before it has registered itself).
+            leader = self.election.leader
+            member = self.state in (NodeState.IDLE, NodeState.TRAINING, NodeState.DRAINING)
+            self.liveness_client.follow(leader.liveness or None if member and leader is not None
+                                        and not self.election.is_leader else None)
             if self._record_dirty and self.registration.lease_valid():
                 self._record_dirty = False
                 self._sync_record()
@@ -457,7 +472,18 @@ class Agent:
 
         threading.Thread(target=pump, name="etcd-watch", daemon=True).start()
 
+    def _start_liveness(self) -> None:
+        try:
+            self.liveness = LivenessServer(self.cfg.addr, self.cfg.heartbeat_timeout).start()
+        except OSError as exc:  # e.g. addr not local: the lease alone then detects this node's peers
+            self.log.warning("liveness server not started", addr=self.cfg.addr, error=str(exc))
+        else:
+            self.record.extra["liveness"] = self.liveness.endpoint
+        self.record.extra["liveness_token"] = self.liveness_client.token
+        self.liveness_client.start()
+
     def _shutdown(self) -> None:
+        self.liveness_client.stop()  # says bye: a clean exit is no failure
         self._call_plugins("on_stop")
         if self._watch_cancel is not None:
             self._watch_cancel()
@@ -468,7 +494,11 @@ class Agent:
             self.log.info("left the cluster", lease_revoked=revoked, state=self.state.value)
         except (UnavailableError, EtcdError) as exc:
             self.log.warning("could not revoke the lease; it expires on its own", error=str(exc), ttl=self.cfg.ttl)
+        if self.liveness is not None:
+            self.liveness.stop()
         self.client.close()
+        if self.registration.keepalive_client is not self.client:
+            self.registration.keepalive_client.close()
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from elasticyolo.cluster.election import LeaderElection
     from elasticyolo.cluster.etcd import EtcdClient
     from elasticyolo.cluster.keys import JobKeys
+    from elasticyolo.cluster.liveness import LivenessServer
     from elasticyolo.cluster.registry import NodeRecord
     from elasticyolo.config import AgentConfig
 
@@ -44,6 +45,7 @@ class NodeAPI(Protocol):
     metrics: "AgentMetrics"
     record: "NodeRecord"  # this node's record as last written; read-only (see set_record_field)
     drain: DrainInfo
+    liveness: "LivenessServer | None"  # this agent's liveness server (the leader's judges the others)
 
     @property
     def state(self) -> "NodeState": ...

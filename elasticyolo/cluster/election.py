@@ -36,12 +36,14 @@ class LeaderInfo:
     since: float
     preemptible: bool
     addr: str = ""
+    liveness: str = ""  # host:port of the leader's liveness server (cluster/liveness.py), if any
 
     @classmethod
     def from_kv(cls, value: bytes, mod_revision: int) -> "LeaderInfo":
         data = json.loads(value)
         return cls(node_id=str(data.get("node_id", "?")), term=mod_revision, since=float(data.get("since", 0)),
-                   preemptible=bool(data.get("preemptible", True)), addr=str(data.get("addr", "")))
+                   preemptible=bool(data.get("preemptible", True)), addr=str(data.get("addr", "")),
+                   liveness=str(data.get("liveness") or ""))
 
 
 def read_leader(client: EtcdClient, keys: JobKeys) -> LeaderInfo | None:
@@ -122,7 +124,8 @@ class LeaderElection:
             return
         rec = self.reg.record
         value = json.dumps({"node_id": rec.node_id, "addr": rec.addr, "host": rec.host,
-                            "preemptible": rec.preemptible, "since": time.time(), "lease": self.reg.lease_id})
+                            "preemptible": rec.preemptible, "since": time.time(), "lease": self.reg.lease_id,
+                            "liveness": rec.extra.get("liveness")})
         with self.reg._write_lock:  # the node record must not be rewritten between our read and txn
             rec_json = _with_leader(rec, True)
             lease = str(self.reg.lease_id)
@@ -142,7 +145,8 @@ class LeaderElection:
             rec.leader = True
             self.term = int(result["header"]["revision"])
             self.reg.mod_revision = self.term
-        self.leader = LeaderInfo(rec.node_id, self.term, time.time(), rec.preemptible, rec.addr)
+        self.leader = LeaderInfo(rec.node_id, self.term, time.time(), rec.preemptible, rec.addr,
+                                 str(rec.extra.get("liveness") or ""))
         log.info("became leader", node=rec.node_id, term=self.term)
 
     def resign(self, reason: str) -> None:

@@ -74,8 +74,12 @@ class NodeRegistration:
 
     def __init__(self, client: EtcdClient, keys: JobKeys, record: NodeRecord, ttl: int,
                  on_lease_lost: Callable[[], None] | None = None,
-                 on_renew: Callable[[float | None], None] | None = None) -> None:
+                 on_renew: Callable[[float | None], None] | None = None,
+                 keepalive_client: EtcdClient | None = None) -> None:
         self.client = client
+        # Keepalives on a connection of their own: a slow request of the agent (a big txn, a
+        # loaded etcd) must not hold up the renewal that keeps the node alive.
+        self.keepalive_client = keepalive_client or client
         self.keys = keys
         self.record = record
         self.ttl = int(ttl)
@@ -161,8 +165,9 @@ class NodeRegistration:
 
     # ---- keepalive ----------------------------------------------------------------------
     def _keepalive_loop(self) -> None:
-        # Renew three times per TTL; each attempt (with its retries over the endpoints) is bounded
-        # well under the TTL so one slow member cannot starve the lease.
+        # Renew three times per TTL. Each request is bounded well under the TTL (one slow member
+        # cannot starve the lease: the next try goes to the next endpoint), but retries go on for
+        # as long as the lease still has: a loaded etcd answering late is no reason to lose it.
         interval = max(self.ttl / 3.0, 0.2)
         per_try = max(self.ttl / 4.0, 0.3)
         next_at = time.monotonic() + interval
@@ -173,7 +178,8 @@ class NodeRegistration:
                 continue
             sent = time.monotonic()
             try:
-                self.client.lease_refresh(lease, timeout=per_try, retry_window=per_try)
+                window = max(per_try, self.seconds_left() - 0.05)
+                self.keepalive_client.lease_refresh(lease, timeout=per_try, retry_window=window)
             except LeaseNotFoundError:
                 self._mark_lost()
                 next_at = time.monotonic() + interval

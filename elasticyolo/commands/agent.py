@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--addr", help="address other nodes reach this one at (default: hostname)")
     parser.add_argument("--slots", type=int, help="workers on this node (default: GPUs found, else 1)")
     parser.add_argument("--ttl", type=int, help="lease TTL in seconds (default 5)")
+    parser.add_argument("--heartbeat-interval-s", type=float, metavar="S",
+                        help="seconds between heartbeats to the leader (default 0.25)")
+    parser.add_argument("--heartbeat-timeout-s", type=float, metavar="S",
+                        help="no heartbeat this long: the node is suspected (default min(2, 0.75*ttl); below ttl)")
     parser.add_argument("--preemptible", action=argparse.BooleanOptionalAction, default=None,
                         help="spot/preemptible VM (default yes); non-preemptible nodes are preferred as leader")
     parser.add_argument("--instance-type")
@@ -70,7 +74,8 @@ _FLAG_FIELDS = ("etcd", "job", "node_id", "host", "addr", "slots", "ttl", "preem
                 "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_timeout", "handover", "log_level",
                 "spot_provider", "metadata_url", "notice_file", "spot_poll_interval", "drain_on_rebalance",
                 "drain_margin_s", "work_dir", "data_cache_dir", "data_cache_max_gb", "data_max_concurrency",
-                "s3_endpoint_url", "s3_region", "s3_profile", "s3_sse", "s3_kms_key_id")
+                "s3_endpoint_url", "s3_region", "s3_profile", "s3_sse", "s3_kms_key_id", "heartbeat_interval_s",
+                "heartbeat_timeout_s")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -113,6 +113,11 @@ class ClusterView:
                     return value
                 self.cond.wait(min(left, 1.0))
 
+    def poke(self) -> None:
+        """Re-check the waiters now (something outside etcd changed: a node was lost)."""
+        with self.cond:
+            self.cond.notify_all()
+
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self.refresh()
@@ -121,15 +126,20 @@ class ClusterView:
 class EtcdHostDiscovery(HostDiscovery):
     """Live, non-draining nodes and their (ready) slots, from the `ClusterView` cache."""
 
-    def __init__(self, view: ClusterView, max_slots_per_node: int | None = None) -> None:
+    def __init__(self, view: ClusterView, max_slots_per_node: int | None = None,
+                 exclude: Callable[[], set[str]] | None = None) -> None:
         super().__init__()
         self.view = view
         self.max_slots = max_slots_per_node
+        self.exclude = exclude  # nodes the liveness signals say are lost (cluster/liveness.py)
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
         # A fresh dict every call: Horovod keeps the previous one to diff against.
         out: dict[str, int] = {}
+        lost = self.exclude() if self.exclude is not None else set()
         for node_id, rec in sorted(self.view.snapshot.nodes.items()):
+            if node_id in lost:
+                continue
             n = slots_of(rec, self.max_slots)
             if n > 0:
                 out[node_id] = n

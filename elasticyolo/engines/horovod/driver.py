@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import horovod.runner.elastic.driver as horovod_driver
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.rendezvous import create_rendezvous_handler
 from horovod.runner.elastic.worker import HostUpdateResult
@@ -29,7 +30,10 @@ from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
+from elasticyolo.cluster.liveness import LivenessServer, Verdict
+from elasticyolo.engines.horovod.abort import ABORT
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
+from elasticyolo.engines.horovod.failures import SlotFacts, abort_targets, slot_outcome
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -39,6 +43,9 @@ from elasticyolo.spec import TrainSpec
 STOP_REPORT_S = 5.0
 # A host change Horovod has not acted on after this long is announced to the workers again.
 RENOTIFY_S = 3.0
+# Horovod polls discovery once a second (holding its hosts lock). Ours answers from a cache, so a
+# shorter period costs nothing and a lost or joining node is acted on sooner.
+horovod_driver.DISCOVER_HOSTS_FREQUENCY_SECS = 0.2
 
 
 class BoundRendezvousServer(RendezvousServer):
@@ -54,16 +61,51 @@ class BoundRendezvousServer(RendezvousServer):
         return int(self._httpd.server_address[1])
 
 
+class FencedElasticDriver(ElasticDriver):
+    """Horovod's driver, ignoring the exit of a worker whose slot a newer request owns: a late
+    report (its agent was frozen, the slot was re-assigned since) must not count against the
+    slot's current worker (a late 0 would even read as success and stop the job)."""
+
+    def __init__(self, *args: Any, superseded: Callable[[], bool], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._superseded = superseded
+
+    def _handle_worker_exit(self, slot_info: SlotInfo, exit_code: int, timestamp: float) -> None:
+        if self._superseded():
+            return
+        super()._handle_worker_exit(slot_info, exit_code, timestamp)
+
+    def _notify_workers_host_changes(self, current_hosts: Any, update_res: Any) -> None:
+        # Horovod's decision, but the send runs on a thread of its own: Horovod calls this holding
+        # its hosts lock, and its client has no timeout, so a frozen coordinator (its node vanished)
+        # would stall the driver - resets included - until that process died (measured: 2 min).
+        next_assignments: Any = {}
+        if current_hosts.count_available_slots() >= self._min_num_proc:
+            next_assignments, _ = self._get_host_assignments(current_hosts)
+        if next_assignments == self.host_assignments:
+            return
+        coordinator = self.get_coordinator_info()
+        client = self.get_worker_client(coordinator) if coordinator else None
+        if client is None:
+            return
+        threading.Thread(target=_notify_quietly, args=(client, int(time.time()), update_res), daemon=True,
+                         name="notify-coordinator").start()
+
+
 class DriverRunner:
     """One Horovod elastic run of one job under one leadership term."""
 
     def __init__(self, *, client: EtcdClient, keys: JobKeys, election: LeaderElection, spec: TrainSpec,
-                 addr: str, lease: Callable[[], int], node_id: str) -> None:
+                 addr: str, lease: Callable[[], int], node_id: str, liveness: LivenessServer | None = None) -> None:
         self.client, self.keys, self.election, self.spec = client, keys, election, spec
         self.addr, self.lease, self.node_id = addr, lease, node_id
         self.term = election.term
         self.log = get_logger("elasticyolo.driver", job=keys.job, node=node_id, term=self.term)
         self.view = ClusterView(client, keys)
+        self.liveness = liveness  # fast failure signals (cluster/liveness.py); None: the lease only
+        self._slot_owner: dict[tuple[str, int], str] = {}  # (host, local rank) -> newest request id
+        self._superseded: set[int] = set()  # worker threads whose exit Horovod must ignore
+        self._reset_seen: tuple[int, float] | None = None  # (rendezvous id, when its first worker registered)
         self.driver: ElasticDriver | None = None
         self.result: str | None = None  # JOB_DONE / JOB_FAILED once finished
         self.error: str | None = None
@@ -87,6 +129,8 @@ class DriverRunner:
             if self.driver is not None:
                 _stop_driver(self.driver, f"driver stopped: {reason}")
             self.view.stop()
+        if self.liveness is not None:
+            self.liveness.remove_listener(self._on_liveness)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -102,10 +146,14 @@ class DriverRunner:
         max_np = (spec.max_nodes or 100_000) * slots
         try:
             self.view.start()
+            if self.liveness is not None:
+                self.liveness.add_listener(self._on_liveness)
             rendezvous = BoundRendezvousServer(self.addr)
-            driver = ElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots), min_np, max_np,
-                                   timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
-                                   cooldown_range=tuple(spec.cooldown_s))
+            lost = self._lost_nodes if self.liveness is not None else None
+            driver = FencedElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots, exclude=lost), min_np, max_np,
+                                         timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
+                                         cooldown_range=tuple(spec.cooldown_s),
+                                         superseded=self._take_superseded)
             self.driver = driver
             if self._stopping.is_set():
                 driver.stop()
@@ -148,7 +196,38 @@ class DriverRunner:
                 _stop_driver(self.driver, self.error)
         finally:
             self.view.stop()
+            if self.liveness is not None:
+                self.liveness.remove_listener(self._on_liveness)
             self._clear_launches()
+
+    def _take_superseded(self) -> bool:
+        # Called by Horovod on the worker's thread right after create_worker returned.
+        ident = threading.get_ident()
+        if ident in self._superseded:
+            self._superseded.discard(ident)
+            return True
+        return False
+
+    def _on_liveness(self, changes: dict[str, Verdict]) -> None:
+        # A lost node: wake the workers' waiters now rather than at the next etcd poll, and make
+        # the rest of the world abort a collective that may be blocked on it.
+        self.view.poke()
+        driver = self.driver
+        lost = {n for n, v in changes.items() if v in (Verdict.DEAD, Verdict.SUSPECT)} & self._lost_nodes()
+        if not lost or driver is None or driver.finished():
+            return
+        try:
+            world = set(driver.host_assignments)
+            clients = dict(driver._worker_clients)
+        except RuntimeError:  # changed size while copying: the next change will do
+            return
+        targets = abort_targets(lost, world, clients)
+        if targets:
+            self.log.info("aborting the world's collective", lost=sorted(lost), workers=len(targets))
+        stamp = int(time.time())
+        for host, slot in targets:
+            threading.Thread(target=_notify_abort, args=(clients[(host, slot)], stamp, self.log), daemon=True,
+                             name=f"abort-{host}-{slot}").start()
 
     def _clear_launches(self) -> None:
         # Fenced: a deposed driver must not delete its successor's requests.
@@ -252,10 +331,15 @@ class DriverRunner:
                 log.warning("could not write launch request", error=str(exc))
                 return 1, time.time()
             log.info("worker requested", size=slot.size)
+            owner = (slot.hostname, slot.local_rank)
+            self._slot_owner[owner] = request_id
             try:
                 return self._await_exit(slot, request_id, key, events, log)
             finally:
                 self._forget(request_id)
+                if self._slot_owner.get(owner) != request_id:
+                    log.info("a newer request owns the slot; this exit is not reported to Horovod")
+                    self._superseded.add(threading.get_ident())
 
         return create_worker
 
@@ -265,13 +349,9 @@ class DriverRunner:
 
         def outcome(snap: Snapshot) -> tuple[str, Any] | None:
             report = snap.exits.get(request_id)
-            if report is not None:
-                return "exit", int(report.get("code", 1))
-            if any(e.is_set() for e in events):
-                return "stop", None
-            if slot.hostname not in snap.nodes and snap.at > started:
-                return "node-gone", None
-            return None
+            return slot_outcome(self._slot_facts(slot, snap, started,
+                                                 None if report is None else int(report.get("code", 1)),
+                                                 any(e.is_set() for e in events)))
 
         while True:
             got = self.view.wait(outcome, timeout=1.0)
@@ -281,8 +361,13 @@ class DriverRunner:
             if what == "exit":
                 log.info("worker exited", code=code)
                 return code, time.time()
+            if what == "left":
+                log.info("node lost; its worker had left the world already",
+                         liveness=self._verdict(slot.hostname).value)
+                return 1, time.time()
             if what == "node-gone":
-                log.warning("node left; counting its worker as failed")
+                log.warning("node lost; counting its worker as failed",
+                            liveness=self._verdict(slot.hostname).value)
                 return 1, time.time()
             # Horovod stops this worker (job shutdown or its host was blacklisted): withdraw the
             # request; the node's agent kills the worker and reports its exit.
@@ -292,6 +377,39 @@ class DriverRunner:
             code = int(got.get("code", 1)) if isinstance(got, dict) else 1
             log.info("worker stopped", code=code)
             return code, time.time()
+
+    def _tokens(self) -> dict[str, str]:
+        return {n: str(r.get("liveness_token") or "") for n, r in self.view.snapshot.nodes.items()}
+
+    def _lost_nodes(self) -> set[str]:
+        # Only verdicts of connections that proved to be the node (its record's token).
+        return self.liveness.lost(self._tokens()) if self.liveness is not None else set()
+
+    def _verdict(self, node: str) -> Verdict:
+        if self.liveness is None:
+            return Verdict.UNKNOWN
+        rec = self.view.snapshot.nodes.get(node)
+        # A node whose record is gone (lease expired) keeps the verdict its last connection earned.
+        return self.liveness.verdict(node, None if rec is None else str(rec.get("liveness_token") or ""))
+
+    def _slot_facts(self, slot: SlotInfo, snap: Snapshot, started: float, exit_code: int | None,
+                    stopping: bool) -> SlotFacts:
+        host, local_rank = slot.hostname, slot.local_rank
+        driver = self.driver
+        assigned, registered, pending = True, False, None
+        if driver is not None:
+            assigned = driver.has_rank_assignment(host, local_rank)
+            registry = driver._worker_registry
+            states = dict(registry._states)  # recorded in the pending reset (cleared when it completes)
+            registered = (host, local_rank) in states
+            if states:
+                rid = registry.last_rendezvous()
+                if self._reset_seen is None or self._reset_seen[0] != rid:
+                    self._reset_seen = (rid, time.monotonic())
+                pending = time.monotonic() - self._reset_seen[1]
+        return SlotFacts(exit_code=exit_code, stopping=stopping, liveness=self._verdict(host),
+                         record_present=host in snap.nodes or snap.at <= started, assigned=assigned,
+                         registered=registered, reset_pending_s=pending)
 
     def _withdraw(self, key: str, request_id: str) -> None:
         try:
@@ -306,6 +424,20 @@ class DriverRunner:
             self.client.delete(self.keys.exit(request_id))
         except (UnavailableError, EtcdError):
             pass  # leased by the node: goes with it
+
+
+def _notify_quietly(client: Any, stamp: int, update_res: Any) -> None:
+    try:
+        client.notify_hosts_updated(stamp, update_res)
+    except Exception:  # noqa: BLE001 - as Horovod: a coordinator that is gone is reset anyway
+        pass
+
+
+def _notify_abort(client: Any, stamp: int, log: Any) -> None:
+    try:
+        client.notify_hosts_updated(stamp, ABORT)
+    except Exception as exc:  # noqa: BLE001 - that worker may be gone too; its peers abort it anyway
+        log.debug("abort notification failed", error=str(exc))
 
 
 def _stop_driver(driver: ElasticDriver, error: str | None) -> None:

@@ -143,7 +143,7 @@ class HorovodNode(EngineNode):
         assert agent.job.spec is not None
         self.runner = DriverRunner(client=agent.new_client(), keys=agent.keys, election=agent.election,
                                    spec=agent.job.spec, addr=agent.cfg.addr, lease=agent.lease_id,
-                                   node_id=agent.cfg.node_id).start()
+                                   node_id=agent.cfg.node_id, liveness=getattr(agent, "liveness", None)).start()
         self._runner_key = key
 
     # ---- pre-warmed workers -------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""When the driver counts a slot's worker as failed (pure; stepped in tests/test_liveness.py).
+
+Horovod blacklists every host whose worker the driver reports failed in a reset, and stops the job
+when every recorded host is blacklisted (horovod/runner/elastic/registration.py). So a failure
+must be reported only for a worker that really is gone:
+
+* its exit was reported by its node's agent;
+* the agent's liveness connection closed without `bye` (cluster/liveness.py: DEAD): the agent
+  process is gone, and its workers with it (they die with their agent, engines/lifeline.py) -
+  reported at once, so the world does not wait for the lease;
+* the node is SUSPECT (no heartbeat) or its lease is gone, but that alone proves nothing about
+  its worker: only the *agent* may be frozen while the worker trains on. Such a node is taken out
+  of discovery (Horovod removes it at the next commit: its worker leaves without failing); its
+  worker is counted failed only when the world resets and that worker does not register for
+  `grace_s` while the others have (it is frozen or cut off too), or when it is no longer part
+  of the world anyway (the result is then ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from elasticyolo.cluster.liveness import Verdict
+
+RESET_GRACE_S = 0.5  # a live worker registers within milliseconds of its peers after a reset
+
+
+@dataclass(frozen=True)
+class SlotFacts:
+    exit_code: int | None  # reported by the node's agent
+    stopping: bool  # Horovod stops the slot (job shutdown, or its host was blacklisted)
+    liveness: Verdict  # the node's agent, as the leader's liveness server sees it
+    record_present: bool  # the node's record (its lease) is in etcd
+    assigned: bool  # the slot is in Horovod's current host assignment
+    registered: bool  # the slot's worker registered in the reset now pending
+    reset_pending_s: float | None  # how long the pending reset has been waiting (None: no reset)
+
+
+def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S) -> tuple[str, int | None] | None:
+    """("exit", code) | ("stop", None) | ("node-gone", None): count it failed | ("left", None): the
+    worker is out of the world already (Horovod ignores what is returned) | None: keep waiting."""
+    if f.exit_code is not None:
+        return "exit", f.exit_code
+    if f.stopping:
+        return "stop", None
+    if f.liveness is Verdict.DEAD:
+        return "node-gone", None
+    if f.liveness is Verdict.SUSPECT or not f.record_present:
+        if not f.assigned:
+            return "left", None
+        if f.reset_pending_s is not None and f.reset_pending_s >= grace_s and not f.registered:
+            return "node-gone", None
+    return None
+
+
+def abort_targets(lost: set[str], world_hosts: set[str], workers: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The workers to tell to abort their collective (engines/horovod/abort.py) when `lost` nodes
+    are lost: every worker of the current world on another host, if a lost node is in that world
+    (a world blocked on it would otherwise wait out Gloo's timeout)."""
+    if not lost & world_hosts:
+        return []
+    return sorted((h, s) for h, s in set(workers) if h in world_hosts and h not in lost)

@@ -1,0 +1,146 @@
+"""Failures seen before the lease (issue 11): real etcd, real agents, real Horovod workers.
+
+The agents run with a lease TTL of 10 s and the default heartbeat timeout (2 s), so every
+recovery below that completes while the lost node's record is still in etcd was decided by the
+fast signals (cluster/liveness.py), not by the lease. One scenario, one start-up:
+
+1. only the agent of a node frozen (SIGSTOP; its worker, in its own session, trains on): the world
+   goes on without that node, no healthy worker is stopped, nothing is blacklisted but the node;
+2. it was wrongly suspected: SIGCONT, and it rejoins (world 3 again);
+3. process death: SIGKILL of another node's agent -> world 2 while its record is still in etcd;
+4. a whole node frozen (SIGSTOP of its agent and every process under it; nothing is closed) ->
+   the world goes on alone, again before the lease could tell;
+and every finished epoch trained each sample exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+
+from elasticyolo.data.synth import SynthSpec, write_dataset
+from elasticyolo.testing.agent_cluster import AgentCluster
+from elasticyolo.testing.servers import EtcdCluster
+from elasticyolo.testing.trace import coverage_by_epoch, pids_by_rank
+
+N_TRAIN = 24
+TTL = 10  # the lease cannot be what detects a loss within these tests' deadlines
+START_S, STEP_S = 240, 120
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("data"), SynthSpec(train=N_TRAIN, val=4, imgsz=64, classes=2))
+
+
+@pytest.fixture
+def slow_lease_cluster(etcd_server: EtcdCluster, job_name: str, tmp_path: Path) -> Iterator[AgentCluster]:
+    c = AgentCluster(etcd_server.endpoints, job_name, tmp_path, ttl=TTL,
+                     env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_SNAPSHOT_S": "2"})
+    yield c
+    for a in c.agents.values():  # a frozen tree must be thawed to be stopped
+        if a.proc is not None and a.proc.poll() is None:
+            for p in tree(a.proc.pid):
+                _signal(p, signal.SIGCONT)
+    c.stop()
+
+
+def tree(pid: int) -> list[int]:
+    try:
+        root = psutil.Process(pid)
+        return [pid] + [p.pid for p in root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def worker_of(c: AgentCluster, node: str) -> int:
+    """The training worker pid (a rank in the current world) under `node`'s agent."""
+    agent = c.agents[node].proc
+    assert agent is not None
+    for pid in pids_by_rank(c.events()).values():
+        try:
+            if psutil.Process(pid).ppid() == agent.pid:
+                return pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no training worker under {node}")
+
+
+def steps_after(c: AgentCluster, t: float, world: int) -> list[dict]:
+    return [e for e in c.events() if e["ev"] == "step" and e["t"] > t and e["world"] == world and e["rank"] == 0]
+
+
+def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, dataset: Path) -> None:
+    c = slow_lease_cluster
+    for n in ("a", "b", "c"):
+        c.start(n)
+    c.wait(lambda: c.ready(["a", "b", "c"]) and c.leader(), 30, "three agents and a leader")
+    c.submit("model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
+             "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
+             "gloo_timeout_s=30", "cooldown_s=1,2")
+    c.wait(lambda: len(steps_after(c, 0, 3)) >= 2, START_S, "steps at world size 3")
+    leader = c.leader()
+    x, y = [n for n in ("a", "b", "c") if n != leader]
+    agent_x = c.agents[x].proc
+    assert agent_x is not None
+
+    # 1. Only x's agent freezes: its worker keeps running. The world drops x and trains on; the
+    #    leader's and y's workers are the same processes before and after (nobody was stopped).
+    healthy = {worker_of(c, leader), worker_of(c, y)}
+    orphan = worker_of(c, x)
+    os.kill(agent_x.pid, signal.SIGSTOP)
+    t1 = time.time()
+    c.wait(lambda: steps_after(c, t1, 2), STEP_S, "world 2 without the node whose agent froze")
+    assert x in c.nodes(), "the lease expired first: the heartbeat timeout did not decide"
+    assert set(pids_by_rank([e for e in c.events() if e["t"] > t1]).values()) == healthy
+    assert all(psutil.pid_exists(p) for p in healthy)
+    c.wait(lambda: not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE,
+           30, "the frozen agent's worker to leave the world (Horovod removed its host)")
+    assert c.job_state() == "running"
+
+    # 2. It was wrongly suspected: thawed, it comes back and the world grows to 3 again.
+    os.kill(agent_x.pid, signal.SIGCONT)
+    t2 = time.time()
+    c.wait(lambda: steps_after(c, t2, 3), START_S, "the thawed node back in the world")
+    assert healthy <= set(pids_by_rank(c.events()).values()), "a healthy worker was replaced"
+
+    # 3. Process death: SIGKILL of y's agent (its worker dies with it). World 2 before y's lease ends.
+    t3 = time.time()
+    c.kill(y)
+    c.wait(lambda: steps_after(c, t3, 2), STEP_S, "world 2 after the agent's death")
+    assert y in c.nodes(), "the lease expired first: the closed connection did not decide"
+
+    # 4. x's whole node freezes (agent, worker, loader processes: no socket closes). The leader's
+    #    worker goes on alone before x's lease ends, without waiting out Gloo's 30 s timeout.
+    frozen = tree(agent_x.pid)
+    for p in frozen:
+        _signal(p, signal.SIGSTOP)
+    t4 = time.time()
+    try:
+        c.wait(lambda: steps_after(c, t4, 1), STEP_S, "world 1 after the whole node froze")
+        assert x in c.nodes(), "the lease expired first: the heartbeat timeout did not decide"
+        assert time.time() - t4 < 30, "the world waited out Gloo's timeout"
+    finally:
+        for p in frozen:
+            _signal(p, signal.SIGKILL)
+    assert c.job_state() == "running"
+
+    # Every finished epoch trained each sample exactly once through all of that.
+    cov = coverage_by_epoch(c.events())
+    done = [e for e in sorted(cov) if e < max(cov)]
+    assert done, "no epoch finished"
+    for epoch in done:
+        assert sorted(cov[epoch]) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"

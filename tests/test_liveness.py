@@ -1,0 +1,200 @@
+"""Fast failure signals (issue 11): the pure verdicts and slot decisions stepped with a fake clock,
+the liveness server/client over real loopback sockets (a SIGKILLed process is seen at once, a
+SIGSTOPped one at the heartbeat timeout), and the one-line errors for bad timeout settings."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticyolo.cluster.liveness import LivenessClient, LivenessServer, PeerTable, Verdict, changed, verdict
+from elasticyolo.engines.horovod.failures import SlotFacts, slot_outcome
+from elasticyolo.testing.agents import ELASTICYOLO
+from elasticyolo.testing.wait import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- pure: peer table ------------------------------------------------------------------------
+def test_verdicts_follow_connection_and_heartbeats() -> None:
+    t = PeerTable(timeout_s=1.0)
+    assert verdict(None, 0.0, 1.0) is Verdict.UNKNOWN
+    t.hello(1, "a", now=0.0)
+    t.hello(2, "b", now=0.0)
+    assert t.verdicts(0.5) == {"a": Verdict.ALIVE, "b": Verdict.ALIVE}
+    t.beat(1, now=0.9)
+    assert t.verdicts(1.2) == {"a": Verdict.ALIVE, "b": Verdict.SUSPECT}  # b: no beat for 1.2 s
+    t.beat(2, now=1.3)  # a wrongly suspected node is back with its next beat
+    assert t.verdicts(1.4)["b"] is Verdict.ALIVE
+    t.closed(1, now=1.5, graceful=False)  # EOF/RST: the agent process is gone
+    assert t.verdicts(1.5)["a"] is Verdict.DEAD
+    t.closed(2, now=1.6, graceful=True)  # bye: no verdict at all
+    assert "b" not in t.verdicts(1.6)
+
+
+def test_reconnect_supersedes_the_old_connection() -> None:
+    t = PeerTable(timeout_s=1.0)
+    t.hello(1, "a", now=0.0)
+    t.hello(2, "a", now=0.5)  # the agent restarted (or moved to this leader again)
+    t.closed(1, now=0.6, graceful=False)  # the old connection's close says nothing now
+    assert t.verdicts(0.7) == {"a": Verdict.ALIVE}
+    t.beat(1, now=5.0)  # nor do its beats
+    assert t.verdicts(5.0) == {"a": Verdict.SUSPECT}
+    t.forget("a")
+    assert t.verdicts(5.0) == {}
+
+
+def test_changed_reports_differences_only() -> None:
+    before = {"a": Verdict.ALIVE, "b": Verdict.ALIVE}
+    after = {"a": Verdict.ALIVE, "b": Verdict.DEAD, "c": Verdict.ALIVE}
+    assert changed(before, after) == {"b": Verdict.DEAD, "c": Verdict.ALIVE}
+    assert changed(after, {}) == {"a": Verdict.UNKNOWN, "b": Verdict.UNKNOWN, "c": Verdict.UNKNOWN}
+
+
+# ---- pure: when the driver counts a worker failed ---------------------------------------------
+def facts(**kw: object) -> SlotFacts:
+    base = dict(exit_code=None, stopping=False, liveness=Verdict.ALIVE, record_present=True, assigned=True,
+                registered=False, reset_pending_s=None)
+    return SlotFacts(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_slot_outcome_process_death_is_at_once() -> None:
+    assert slot_outcome(facts()) is None
+    assert slot_outcome(facts(exit_code=3)) == ("exit", 3)
+    assert slot_outcome(facts(stopping=True)) == ("stop", None)
+    # The agent's connection closed: its workers died with it, even before the lease expires.
+    assert slot_outcome(facts(liveness=Verdict.DEAD)) == ("node-gone", None)
+
+
+def test_slot_outcome_suspect_waits_for_the_reset() -> None:
+    # Only the agent may be frozen: its worker still trains, so no failure (no blacklist)...
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT)) is None
+    assert slot_outcome(facts(record_present=False)) is None  # lease expired: same
+    # ... nor when the world resets and the worker registers with the others (it is alive).
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=3.0, registered=True)) is None
+    # A reset in which it does not show up: the whole node is frozen or cut off.
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.1)) is None  # grace
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.6)) == ("node-gone", None)
+    assert slot_outcome(facts(record_present=False, reset_pending_s=0.6)) == ("node-gone", None)
+    # Already out of the world (Horovod removed the host): the result is ignored by Horovod.
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, assigned=False)) == ("left", None)
+    # A healthy node with a reset pending is never failed by the driver.
+    assert slot_outcome(facts(reset_pending_s=10.0)) is None
+
+
+# ---- executor: real sockets --------------------------------------------------------------------
+CLIENT = """
+import sys, time
+from elasticyolo.cluster.liveness import LivenessClient
+c = LivenessClient(sys.argv[1], 0.05, lambda: 0).start()
+c.follow(sys.argv[2])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _client_process(node: str, endpoint: str) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", CLIENT, node, endpoint], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_server_sees_sigkill_at_once_and_sigstop_at_the_timeout() -> None:
+    server = LivenessServer("127.0.0.1", timeout_s=0.5).start()
+    seen: list[dict[str, Verdict]] = []
+    server.add_listener(seen.append)
+    procs = [_client_process(n, server.endpoint) for n in ("killed", "frozen", "healthy")]
+    try:
+        wait_for(lambda: all(server.verdict(n) is Verdict.ALIVE for n in ("killed", "frozen", "healthy")), 10,
+                 "three clients alive")
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGKILL)
+        wait_for(lambda: server.verdict("killed") is Verdict.DEAD, 5, "the killed client DEAD")
+        dead_after = time.monotonic() - t0
+        assert dead_after < 0.3, dead_after  # the kernel closed its socket: no timeout involved
+        procs[1].send_signal(signal.SIGSTOP)
+        t1 = time.monotonic()
+        wait_for(lambda: server.verdict("frozen") is Verdict.SUSPECT, 5, "the frozen client SUSPECT")
+        assert 0.4 < time.monotonic() - t1 < 1.5
+        assert server.lost() == {"killed", "frozen"}
+        wait_for(lambda: any(d.get("frozen") is Verdict.SUSPECT for d in seen), 5, "listeners told of the suspect")
+        procs[1].send_signal(signal.SIGCONT)  # wrongly suspected: back with its next heartbeat
+        wait_for(lambda: server.verdict("frozen") is Verdict.ALIVE, 5, "the frozen client back")
+        assert server.verdict("healthy") is Verdict.ALIVE
+        assert any(d.get("killed") is Verdict.DEAD for d in seen)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+        server.stop()
+
+
+def test_client_says_bye_when_it_moves_or_stops() -> None:
+    a = LivenessServer("127.0.0.1", timeout_s=0.5).start()
+    b = LivenessServer("127.0.0.1", timeout_s=0.5).start()
+    c = LivenessClient("n1", 0.05, lambda: 0).start()
+    try:
+        c.follow(a.endpoint)
+        wait_for(lambda: a.verdict("n1") is Verdict.ALIVE, 5, "n1 on a")
+        c.follow(b.endpoint)  # a new leader: a deliberate move is no failure on the old one
+        wait_for(lambda: b.verdict("n1") is Verdict.ALIVE, 5, "n1 on b")
+        wait_for(lambda: a.verdict("n1") is Verdict.UNKNOWN, 5, "n1 gone from a without a verdict")
+        c.stop()
+        wait_for(lambda: b.verdict("n1") is Verdict.UNKNOWN, 5, "n1 gone from b without a verdict")
+        assert not a.lost() and not b.lost()
+    finally:
+        c.stop()
+        a.stop()
+        b.stop()
+
+
+# ---- configuration ---------------------------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (["--heartbeat-timeout-s", "-1"], "heartbeat_timeout_s: Input should be greater than 0"),
+    (["--heartbeat-interval-s", "0"], "heartbeat_interval_s: Input should be greater than 0"),
+    (["--ttl", "2", "--heartbeat-timeout-s", "2"], "heartbeat_timeout_s: 2 s is not below the lease ttl (2 s)"),
+    (["--heartbeat-interval-s", "1", "--heartbeat-timeout-s", "0.5"], "is not above heartbeat_interval_s"),
+    (["--ttl", "1", "--heartbeat-interval-s", "0.9"], "heartbeat_interval_s: 0.9 s is not below the heartbeat timeout"),
+])
+def test_bad_heartbeat_settings_one_line(args: list[str], needle: str) -> None:
+    r = subprocess.run([ELASTICYOLO, "agent", "--config", os.devnull, "--etcd", "127.0.0.1:9", *args],
+                       capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (r.returncode, r.stderr)
+
+
+def test_abort_targets_the_rest_of_the_world_only() -> None:
+    from elasticyolo.engines.horovod.failures import abort_targets
+
+    workers = [("a", 0), ("b", 0), ("b", 1), ("c", 0), ("old", 0)]
+    # c is lost and in the world: every other worker of the world aborts its collective.
+    assert abort_targets({"c"}, {"a", "b", "c"}, workers) == [("a", 0), ("b", 0), ("b", 1)]
+    # A lost node outside the world (not yet joined, or removed already) costs the world nothing.
+    assert abort_targets({"d"}, {"a", "b", "c"}, workers) == []
+
+
+def test_a_connection_without_the_nodes_token_cannot_drop_it() -> None:
+    import socket as _socket
+
+    server = LivenessServer("127.0.0.1", timeout_s=0.5).start()
+    try:
+        spoof = _socket.create_connection(("127.0.0.1", server.port))
+        spoof.sendall(b'{"hello": "x", "lease": 0, "token": "guess"}\n')
+        wait_for(lambda: server.verdict("x") is Verdict.ALIVE, 5, "the claim registered")
+        spoof.close()  # as if x had died
+        wait_for(lambda: server.verdict("x") is Verdict.DEAD, 5, "the close seen")
+        assert server.lost() == {"x"}
+        # The driver asks with the tokens from the node records: a wrong token is no verdict.
+        assert server.lost({"x": "the-real-token"}) == set()
+        assert server.verdict("x", "the-real-token") is Verdict.UNKNOWN
+        assert server.lost({"x": "guess"}) == {"x"}
+    finally:
+        server.stop()
