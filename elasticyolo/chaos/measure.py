@@ -1,0 +1,182 @@
+"""Figures from the workers' JSONL traces (`train/loop.py` TraceWriter), pure over the events.
+
+* committed samples: step records of the final history (`testing/trace.final_step_records`: for
+  each step number its latest execution) that ran inside the replay window;
+* lost samples: every other step record inside the window (executions a rollback or a restart
+  threw away);
+* pauses: per trace change, the longest stretch without a step that ends after the change (and
+  starts before the next one), minus one typical step time (the median gap between steps);
+* duplicates / skipped: per completed epoch of the final history, samples trained twice / never;
+* steady-state samples/s for a world size: committed samples between the first and last step
+  record of a stretch at that size with no change (the ideal's calibration).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from elasticyolo.chaos.schedule import ReplayTimeline
+from elasticyolo.testing.trace import final_step_records
+
+Event = dict[str, Any]
+
+
+def step_records(events: Sequence[Event]) -> list[Event]:
+    return [e for e in events if e.get("ev") == "step"]
+
+
+def executions(steps: Sequence[Event]) -> list[tuple[float, int, int]]:
+    """One (time, world, samples) per executed step (all ranks of one step, one start)."""
+    groups: dict[tuple[int, int, int, int], list[Event]] = defaultdict(list)
+    for e in steps:
+        groups[(e["step"], e["epoch"], e["start"], e["world"])].append(e)
+    out = []
+    for (step, _epoch, _start, world), recs in groups.items():
+        # Ranks of one execution write within a step of each other; a re-execution after a
+        # rollback at the same world is told apart by a time gap.
+        recs.sort(key=lambda r: r["t"])
+        chunk: list[Event] = [recs[0]]
+        for r in recs[1:]:
+            if r["t"] - chunk[0]["t"] > 2.0 or any(c["rank"] == r["rank"] for c in chunk):
+                out.append((chunk[0]["t"], world, sum(len(c["indices"]) for c in chunk)))
+                chunk = [r]
+            else:
+                chunk.append(r)
+        out.append((chunk[0]["t"], world, sum(len(c["indices"]) for c in chunk)))
+    out.sort()
+    return out
+
+
+def steady_rate(events: Sequence[Event], t0: float, t1: float, world: int) -> float | None:
+    """Samples/s at `world` between t0 and t1 (no failures in between): samples of the steps after
+    the first one over the time from the first to the last step."""
+    ex = [x for x in executions(step_records(events)) if t0 <= x[0] <= t1 and x[1] == world]
+    if len(ex) < 3:
+        return None
+    span = ex[-1][0] - ex[0][0]
+    return sum(x[2] for x in ex[1:]) / span if span > 0 else None
+
+
+@dataclass
+class ChangeFigures:
+    t: float  # replay seconds
+    before: int
+    after: int
+    kind: str  # join | kill_notice | kill_no_notice | restart
+    pause_s: float
+    lost_samples: int
+    first_step_s: float | None  # change -> first step at the new world size (None: none in the window)
+
+
+@dataclass
+class SystemFigures:
+    committed_samples: int
+    lost_samples: int
+    ideal_samples: float
+    goodput_vs_ideal: float
+    pause_s: list[float]
+    idle_s: float
+    duplicates: int
+    skipped: int
+    completed_epochs: int
+    changes: list[ChangeFigures] = field(default_factory=list)
+    series: dict[str, list[Any]] = field(default_factory=dict)  # for the plot
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "committed_samples": self.committed_samples, "lost_samples": self.lost_samples,
+            "ideal_samples": round(self.ideal_samples, 1), "goodput_vs_ideal": round(self.goodput_vs_ideal, 4),
+            "pause_s": [round(p, 2) for p in self.pause_s], "idle_s": round(self.idle_s, 2),
+            "duplicates": self.duplicates, "skipped": self.skipped, "completed_epochs": self.completed_epochs,
+            "changes": [{**c.__dict__, "pause_s": round(c.pause_s, 2),
+                         "first_step_s": None if c.first_step_s is None else round(c.first_step_s, 2)}
+                        for c in self.changes],
+        }
+
+
+def ideal_samples(tl: ReplayTimeline, rates: dict[int, float]) -> float:
+    """The ideal: at every instant the steady-state rate of that instant's node count."""
+    return sum((s.t1 - s.t0) * rates[s.nodes] for s in tl.segments())
+
+
+def coverage_faults(events: Sequence[Event], num_samples: int) -> tuple[int, int, int]:
+    """(duplicates, skipped, completed epochs) over the final history's completed epochs."""
+    cov: dict[int, list[int]] = defaultdict(list)
+    for r in final_step_records(list(events)):
+        cov[r["epoch"]].extend(r["indices"])
+    if not cov:
+        return 0, 0, 0
+    last = max(cov)
+    dup = skip = done = 0
+    for epoch, idx in cov.items():
+        distinct = set(idx)
+        if epoch == last and len(distinct) < num_samples:
+            continue  # the epoch still in progress when the replay ended
+        done += 1
+        dup += len(idx) - len(distinct)
+        skip += num_samples - len(distinct & set(range(num_samples)))
+    return dup, skip, done
+
+
+def measure(events: Sequence[Event], *, t_start: float, tl: ReplayTimeline, rates: dict[int, float],
+            num_samples: int, change_kinds: Sequence[str], change_delays: Sequence[float]) -> SystemFigures:
+    """Figures for one system's replay that began at wall time `t_start`.
+
+    change_kinds[i]: what change i did; change_delays[i]: seconds from change i to the moment its
+    node actually died (the notice time for a kill with notice), which lost work is attributed to."""
+    t_end = t_start + tl.duration_s
+    steps = step_records(events)
+    final_ids = {id(r) for r in final_step_records(list(events))}
+    in_window = [e for e in steps if t_start <= e["t"] < t_end]
+    committed = sum(len(e["indices"]) for e in in_window if id(e) in final_ids)
+    done_total = sum(len(e["indices"]) for e in in_window)
+    ex = [x for x in executions(steps) if t_start <= x[0] < t_end]
+    times = [x[0] for x in ex]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    typical = statistics.median(gaps) if gaps else 0.0
+    idle = sum(g - typical for g in gaps if g > 3 * typical)
+    if times:
+        idle += max(0.0, times[0] - t_start - typical) + max(0.0, t_end - times[-1] - typical)
+    else:
+        idle = tl.duration_s
+
+    changes: list[ChangeFigures] = []
+    wall = [t_start + c.t for c in tl.changes]
+    lost_by_change = [0] * len(tl.changes)
+    for e in in_window:
+        if id(e) in final_ids or not tl.changes:
+            continue
+        # Work thrown away belongs to the first change whose node died at or after it ran.
+        i = next((k for k, w in enumerate(wall) if w + change_delays[k] + 1.0 >= e["t"]), len(wall) - 1)
+        lost_by_change[i] += len(e["indices"])
+    for i, c in enumerate(tl.changes):
+        lo = wall[i]
+        hi = wall[i + 1] if i + 1 < len(wall) else t_end
+        bounded = [t_start] + times + [t_end]
+        candidates = [(b - a) for a, b in zip(bounded, bounded[1:]) if b > lo and a < hi]
+        pause = max(0.0, max(candidates, default=hi - lo) - typical)
+        first = next((x[0] for x in ex if x[0] > lo and x[1] == c.after), None)
+        changes.append(ChangeFigures(c.t, c.before, c.after, change_kinds[i], pause, lost_by_change[i],
+                                     None if first is None else first - lo))
+    ideal = ideal_samples(tl, rates)
+    dup, skip, done = coverage_faults(events, num_samples)
+    # Per-second series for the plot: committed samples/s and the world size seen in steps.
+    series: dict[str, list[Any]] = {"t": [], "samples_per_s": [], "world_t": [], "world": []}
+    buckets: dict[int, int] = defaultdict(int)
+    for e in in_window:
+        if id(e) in final_ids:
+            buckets[int(e["t"] - t_start)] += len(e["indices"])
+    for sec in range(int(tl.duration_s) + 1):
+        series["t"].append(sec)
+        series["samples_per_s"].append(buckets.get(sec, 0))
+    for t, world, _ in ex:
+        series["world_t"].append(round(t - t_start, 3))
+        series["world"].append(world)
+    return SystemFigures(
+        committed_samples=committed, lost_samples=done_total - committed, ideal_samples=ideal,
+        goodput_vs_ideal=committed / ideal if ideal > 0 else 0.0, pause_s=[c.pause_s for c in changes],
+        idle_s=idle, duplicates=dup, skipped=skip, completed_epochs=done, changes=changes, series=series,
+    )
