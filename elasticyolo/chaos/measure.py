@@ -97,9 +97,21 @@ class SystemFigures:
         }
 
 
+def best_rates(rates: dict[int, float]) -> dict[int, float]:
+    """The best steady-state samples/s with n nodes: the fastest of 1..n (using fewer nodes is
+    always possible, so the ideal never gets slower with more of them)."""
+    out: dict[int, float] = {}
+    best = 0.0
+    for n in sorted(rates):
+        best = max(best, rates[n])
+        out[n] = best
+    return out
+
+
 def ideal_samples(tl: ReplayTimeline, rates: dict[int, float]) -> float:
-    """The ideal: at every instant the steady-state rate of that instant's node count."""
-    return sum((s.t1 - s.t0) * rates[s.nodes] for s in tl.segments())
+    """The ideal: at every instant the best steady-state rate for that instant's node count."""
+    best = best_rates(rates)
+    return sum((s.t1 - s.t0) * best[s.nodes] for s in tl.segments())
 
 
 def coverage_faults(events: Sequence[Event], num_samples: int) -> tuple[int, int, int]:
@@ -152,15 +164,21 @@ def measure(events: Sequence[Event], *, t_start: float, tl: ReplayTimeline, rate
         # Work thrown away belongs to the first change whose node died at or after it ran.
         i = next((k for k, w in enumerate(wall) if w + change_delays[k] + 1.0 >= e["t"]), len(wall) - 1)
         lost_by_change[i] += len(e["indices"])
+    all_ex = executions(steps)
+    all_times = [x[0] for x in all_ex]
     for i, c in enumerate(tl.changes):
         lo = wall[i]
-        hi = wall[i + 1] if i + 1 < len(wall) else t_end
-        bounded = [t_start] + times + [t_end]
-        candidates = [(b - a) for a, b in zip(bounded, bounded[1:]) if b > lo and a < hi]
-        pause = max(0.0, max(candidates, default=hi - lo) - typical)
-        first = next((x[0] for x in ex if x[0] > lo and x[1] == c.after), None)
+        # A pause ends at the next step, or at the next change (which then owns the rest); the last
+        # change's pause may run past the window (the runner keeps going until training resumes).
+        hi = wall[i + 1] if i + 1 < len(wall) else float("inf")
+        bounded = [t_start] + [t for t in all_times if t >= t_start]
+        if i + 1 == len(wall) and (not bounded or bounded[-1] <= lo):
+            bounded.append(t_end)
+        candidates = [(min(b, hi) - a) for a, b in zip(bounded, bounded[1:]) if b > lo and a < hi]
+        pause = max(0.0, max(candidates, default=min(hi, t_end) - lo) - typical)
+        first = next((t for t, w, _ in all_ex if t > lo and w == c.after), None)
         changes.append(ChangeFigures(c.t, c.before, c.after, change_kinds[i], pause, lost_by_change[i],
-                                     None if first is None else first - lo))
+                                     None if first is None or first > hi else first - lo))
     ideal = ideal_samples(tl, rates)
     dup, skip, done = coverage_faults(events, num_samples)
     # Per-second series for the plot: committed samples/s and the world size seen in steps.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.chaos.measure import measure
+from elasticyolo.chaos.measure import best_rates, measure
 from elasticyolo.chaos.projection import EventCost, project
 from elasticyolo.chaos.schedule import Plan, ReplayTimeline, plan_checkpoint_restart, plan_elastic, timeline
 from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_trace
@@ -131,7 +131,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     from elasticyolo.data.synth import SynthSpec, write_dataset
     from elasticyolo.testing.servers import EtcdCluster, S3Server
 
-    root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-"))
+    root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=8, imgsz=o.imgsz, classes=2))
     # Epoch-end checkpoints come on top of the periodic ones; few steps per epoch would hand the
@@ -175,7 +175,8 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
             say(f"work dir kept: {root}")
     out["wall_s"] = round(time.monotonic() - t_begin, 1)
     rates = er.rates
-    out["ideal_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(rates.items())}
+    out["steady_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(rates.items())}
+    out["ideal_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(best_rates(rates).items())}
     systems: dict[str, Any] = {}
     figs = {}
     for run, plan in zip(runs, [prep.elastic, prep.restart]):
@@ -194,10 +195,11 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         efig, ekinds = figs["elasticyolo"]
         rfig, _ = figs[BASELINE]
         restarts = [c.first_step_s for c in rfig.changes if c.first_step_s is not None]
-        stuck = [c for c in rfig.changes if c.first_step_s is None]
-        restart_s = (sum(restarts) + sum(c.pause_s for c in stuck)) / max(1, len(rfig.changes))
+        # A restart cut short by the next change never reached a first step: not a sample of the cost.
+        restart_s = (sum(restarts) / len(restarts) if restarts
+                     else sum(c.pause_s for c in rfig.changes) / max(1, len(rfig.changes)))
         restart = EventCost(restart_s, 0.0, f"live checkpoint-restart replay: change -> first step of the new "
-                                            f"world, mean of {len(rfig.changes)} restart(s)")
+                                            f"world, mean of {len(restarts)} completed restart(s)")
         proj = project(prep.trace, measured_costs(efig, ekinds, rates, o.notice_fraction), restart,
                        checkpoint_interval_s=o.checkpoint_s, notice_fraction=o.notice_fraction)
         out["projection"] = proj.to_json()
