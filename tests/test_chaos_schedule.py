@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticyolo.chaos.measure import coverage_faults, executions, ideal_samples, measure
+from elasticyolo.chaos.measure import committed_records, coverage_faults, executions, ideal_samples, measure
 from elasticyolo.chaos.projection import EventCost, elastic_goodput, project, restart_goodput
 from elasticyolo.chaos.schedule import plan_checkpoint_restart, plan_elastic, scale_count, timeline
 from elasticyolo.chaos.trace import TraceError, check_window, load_trace, parse_trace
@@ -128,6 +128,7 @@ def test_measure_counts_rollbacks_pauses_and_coverage() -> None:
     for s in range(1, 5):
         ev += [_step(s - 0.5, s, 0, 2, [2 * (s - 1)], start=2 * (s - 1)), _step(s - 0.5, s, 1, 2, [2 * s - 1], start=2 * (s - 1))]
     # world 1 resumes at step 4 at t=12 (2 s pause after the change at 10 + typical gaps of 1 s)
+    ev += [{"ev": "resume", "t": 11.9, "step": 3, "rank": 0, "world": 1, "pid": 1}]
     ev += [_step(12.0 + i, 4 + i, 0, 1, [6 + i], start=6 + i) for i in range(2)]  # finishes epoch 0 (8 samples)
     ev += [_step(14.0 + i, 6 + i, 0, 1, [i], epoch=1, start=i) for i in range(5)]
     fig = measure(ev, t_start=0.0, tl=tl, rates={1: 1.0, 2: 2.0}, num_samples=8,
@@ -137,6 +138,15 @@ def test_measure_counts_rollbacks_pauses_and_coverage() -> None:
     assert (fig.duplicates, fig.skipped, fig.completed_epochs) == (0, 0, 1)
     assert len(fig.pause_s) == 1 and fig.pause_s[0] == pytest.approx(12.0 - 3.5 - 1.0)
     assert fig.changes[0].lost_samples == 2 and fig.changes[0].first_step_s == pytest.approx(2.0)
+
+
+def test_a_restore_discards_later_steps_even_if_never_redone() -> None:
+    # A restart restored step 2 (a checkpoint) at t=10; steps 3..5 done before it are lost even
+    # though the new world never got as far as re-executing them.
+    ev = [_step(i, i, 0, 1, [i]) for i in range(1, 6)]
+    ev += [{"ev": "resume", "t": 10.0, "step": 2, "rank": 0, "world": 1, "pid": 2}, _step(11, 3, 0, 1, [3])]
+    assert [(e["t"], e["step"]) for e in committed_records(ev)] == [(1, 1), (2, 2), (11, 3)]
+    assert [e["step"] for e in committed_records(ev, until=9.0)] == [1, 2, 3, 4, 5, 3]
 
 
 def test_coverage_faults_find_duplicates_and_gaps() -> None:
@@ -163,3 +173,10 @@ def test_projection_model() -> None:
     assert p["changes"] == 2 and set(p["systems"]) == {"elasticyolo", "checkpoint-restart"}
     assert p["systems"]["checkpoint-restart"]["ratio_vs_baseline"] == 1.0
     assert "elasticyolo.join" in p["costs_used"]
+
+
+def test_projection_charges_a_joiners_start_up() -> None:
+    tr = parse_trace("0,1\n0,2\n1000000,1\n2000000,2\n3000000,2\n", "p.csv")
+    zero = EventCost(0.0, 0.0, "t")
+    slow_join = {"join": EventCost(0.0, 0.0, "t", ready_s=30.0), "kill_notice": zero, "kill_no_notice": zero}
+    assert elastic_goodput(tr, slow_join, 1.0) == pytest.approx((5000 - 30 * 1) / 5000)

@@ -1,7 +1,7 @@
 """Figures from the workers' JSONL traces (`train/loop.py` TraceWriter), pure over the events.
 
-* committed samples: step records of the final history (`testing/trace.final_step_records`: for
-  each step number its latest execution) that ran inside the replay window;
+* committed samples: step records inside the replay window that no later `resume` rolled back
+  (a resume at step s discards the steps above s recorded before it);
 * lost samples: every other step record inside the window (executions a rollback or a restart
   threw away);
 * pauses: per trace change, the longest stretch without a step that ends after the change (and
@@ -13,19 +13,39 @@
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from elasticyolo.chaos.schedule import ReplayTimeline
-from elasticyolo.testing.trace import final_step_records
 
 Event = dict[str, Any]
 
 
 def step_records(events: Sequence[Event]) -> list[Event]:
     return [e for e in events if e.get("ev") == "step"]
+
+
+def committed_records(events: Sequence[Event], until: float = float("inf")) -> list[Event]:
+    """Step records never rolled back: a `resume` at step s (a reset's rollback, a restore from a
+    snapshot or checkpoint) discards every step above s recorded before it. Resumes after `until`
+    (the runner's shutdown) do not count."""
+    resumes = sorted((e["t"], e["step"]) for e in events if e.get("ev") == "resume" and e["t"] <= until)
+    # floor[i]: the lowest step any resume at or after resumes[i] went back to.
+    floor = [0] * len(resumes)
+    low = None
+    for i in range(len(resumes) - 1, -1, -1):
+        low = resumes[i][1] if low is None else min(low, resumes[i][1])
+        floor[i] = low
+    times = [t for t, _ in resumes]
+    out = []
+    for e in step_records(events):
+        i = bisect.bisect_right(times, e["t"])
+        if i == len(times) or e["step"] <= floor[i]:
+            out.append(e)
+    return out
 
 
 def executions(steps: Sequence[Event]) -> list[tuple[float, int, int]]:
@@ -97,27 +117,17 @@ class SystemFigures:
         }
 
 
-def best_rates(rates: dict[int, float]) -> dict[int, float]:
-    """The best steady-state samples/s with n nodes: the fastest of 1..n (using fewer nodes is
-    always possible, so the ideal never gets slower with more of them)."""
-    out: dict[int, float] = {}
-    best = 0.0
-    for n in sorted(rates):
-        best = max(best, rates[n])
-        out[n] = best
-    return out
-
-
 def ideal_samples(tl: ReplayTimeline, rates: dict[int, float]) -> float:
-    """The ideal: at every instant the best steady-state rate for that instant's node count."""
-    best = best_rates(rates)
-    return sum((s.t1 - s.t0) * best[s.nodes] for s in tl.segments())
+    """The ideal: at every instant the steady-state rate of that instant's node count, no cost
+    for changing it."""
+    return sum((s.t1 - s.t0) * rates[s.nodes] for s in tl.segments())
 
 
-def coverage_faults(events: Sequence[Event], num_samples: int) -> tuple[int, int, int]:
-    """(duplicates, skipped, completed epochs) over the final history's completed epochs."""
+def coverage_faults(events: Sequence[Event], num_samples: int,
+                    until: float = float("inf")) -> tuple[int, int, int]:
+    """(duplicates, skipped, completed epochs) over the committed history's completed epochs."""
     cov: dict[int, list[int]] = defaultdict(list)
-    for r in final_step_records(list(events)):
+    for r in committed_records(events, until):
         cov[r["epoch"]].extend(r["indices"])
     if not cov:
         return 0, 0, 0
@@ -134,14 +144,15 @@ def coverage_faults(events: Sequence[Event], num_samples: int) -> tuple[int, int
 
 
 def measure(events: Sequence[Event], *, t_start: float, tl: ReplayTimeline, rates: dict[int, float],
-            num_samples: int, change_kinds: Sequence[str], change_delays: Sequence[float]) -> SystemFigures:
+            num_samples: int, change_kinds: Sequence[str], change_delays: Sequence[float],
+            until: float = float("inf")) -> SystemFigures:
     """Figures for one system's replay that began at wall time `t_start`.
 
     change_kinds[i]: what change i did; change_delays[i]: seconds from change i to the moment its
     node actually died (the notice time for a kill with notice), which lost work is attributed to."""
     t_end = t_start + tl.duration_s
     steps = step_records(events)
-    final_ids = {id(r) for r in final_step_records(list(events))}
+    final_ids = {id(r) for r in committed_records(events, until)}
     in_window = [e for e in steps if t_start <= e["t"] < t_end]
     committed = sum(len(e["indices"]) for e in in_window if id(e) in final_ids)
     done_total = sum(len(e["indices"]) for e in in_window)
@@ -180,7 +191,7 @@ def measure(events: Sequence[Event], *, t_start: float, tl: ReplayTimeline, rate
         changes.append(ChangeFigures(c.t, c.before, c.after, change_kinds[i], pause, lost_by_change[i],
                                      None if first is None or first > hi else first - lo))
     ideal = ideal_samples(tl, rates)
-    dup, skip, done = coverage_faults(events, num_samples)
+    dup, skip, done = coverage_faults(events, num_samples, until)
     # Per-second series for the plot: committed samples/s and the world size seen in steps.
     series: dict[str, list[Any]] = {"t": [], "samples_per_s": [], "world_t": [], "world": []}
     buckets: dict[int, int] = defaultdict(int)

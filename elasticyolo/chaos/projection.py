@@ -4,6 +4,8 @@ Model (README "Replaying a spot trace"): useful work is node-seconds of training
 the integral of the trace's node count (steady-state throughput taken as linear in nodes). A change
 costs a system
   * a pause: seconds in which the new world trains nothing (measured live, per event type);
+  * for a join, the new nodes' start-up: they are paid for but idle until the first step of the
+    bigger world (measured live: change -> that step);
   * lost work: seconds of the old world's work thrown away. elasticyolo: measured live per event
     type (rollback to the last commit); checkpoint-restart: the time since its last checkpoint,
     simulated with the live checkpoint interval stretched by the compression factor (the same
@@ -24,6 +26,7 @@ class EventCost:
     pause_s: float
     lost_work_s: float  # seconds of the old world's work
     measured_from: str  # where the figure came from (e.g. "live elasticyolo replay, 3 events")
+    ready_s: float = 0.0  # join: change -> first step with the new nodes (they idle until then)
 
 
 @dataclass
@@ -87,10 +90,13 @@ def elastic_goodput(trace: SpotTrace, costs: dict[str, EventCost], notice_fracti
     ideal = sum((t1 - t0) * n for t0, t1, n in segs)
     paused: list[tuple[float, float]] = []
     lost = 0.0
-    for tc, before, after in changes:
+    for i, (tc, before, after) in enumerate(changes):
         if after > before:
             c = costs["join"]
             pause, lost_s = c.pause_s, c.lost_work_s
+            # The new nodes are paid for but idle until they have started and joined the world.
+            gap = (changes[i + 1][0] if i + 1 < len(changes) else trace.duration_s) - tc
+            lost += max(0.0, min(c.ready_s, gap) - pause) * (after - before)
         else:
             cn, ck = costs["kill_notice"], costs["kill_no_notice"]
             pause = notice_fraction * cn.pause_s + (1 - notice_fraction) * ck.pause_s
@@ -124,6 +130,7 @@ def project(trace: SpotTrace, elastic: dict[str, EventCost], restart: EventCost,
     start, changes, segs = _changes(trace)
     ideal = sum((t1 - t0) * n for t0, t1, n in segs)
     used = {f"elasticyolo.{k}": {"pause_s": round(v.pause_s, 3), "lost_work_s": round(v.lost_work_s, 3),
+                                 **({"ready_s": round(v.ready_s, 3)} if k == "join" else {}),
                                  "measured_from": v.measured_from} for k, v in elastic.items()}
     used["checkpoint-restart.restart"] = {"pause_s": round(restart.pause_s, 3), "measured_from": restart.measured_from}
     used["checkpoint-restart.lost_work"] = {

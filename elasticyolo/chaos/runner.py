@@ -46,6 +46,7 @@ class SystemRun:
     events: list[dict[str, Any]]
     applied: list[dict[str, Any]] = field(default_factory=list)  # actions as played (wall times)
     rates: dict[int, float] = field(default_factory=dict)  # steady-state samples/s (elasticyolo run)
+    t_stop: float = float("inf")  # when the runner began stopping the cluster (its drains do not count)
 
 
 class _Nodes:
@@ -96,6 +97,7 @@ class _Nodes:
         finally:
             for md in self.md.values():
                 md.stop()
+            self.md.clear()
 
 
 def _submit(nodes: _Nodes, env: ReplayEnv, job: str, max_nodes: int) -> None:
@@ -186,7 +188,9 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                     nodes.kill(n)
 
         played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s)
-        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, rates)
+        t_stop = time.time()
+        nodes.stop()
+        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, rates, t_stop)
     finally:
         nodes.stop()
 
@@ -215,7 +219,9 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
                 nodes.start(n)
 
         played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s)
-        return SystemRun("checkpoint-restart", t0, nodes.cluster.events(), played)
+        t_stop = time.time()
+        nodes.stop()
+        return SystemRun("checkpoint-restart", t0, nodes.cluster.events(), played, t_stop=t_stop)
     finally:
         nodes.stop()
 
