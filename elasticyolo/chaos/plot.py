@@ -14,6 +14,7 @@ COLORS = {"start": "tab:green", "notice": "tab:orange", "kill": "tab:red", "rest
 
 def plot_replay(out: dict[str, Any], tl: ReplayTimeline, figs: dict[str, SystemFigures], path: Path) -> None:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -29,8 +30,11 @@ def plot_replay(out: dict[str, Any], tl: ReplayTimeline, figs: dict[str, SystemF
         ax.set_ylabel("nodes")
         ax.set_ylim(0, max(seg_n + f.series["world"] + [1]) + 1)
         rate = ax.twinx()
-        rate.plot(f.series["t"], f.series["samples_per_s"], color="tab:gray", lw=0.8, alpha=0.8,
-                  label="committed samples/s")
+        # A step can take longer than a second: a 5 s moving average reads as a rate.
+        width = min(5, len(f.series["samples_per_s"])) or 1
+        smooth = np.convolve(f.series["samples_per_s"], np.ones(width) / width, mode="same")
+        rate.plot(f.series["t"], smooth, color="tab:gray", lw=1.0, alpha=0.9,
+                  label=f"committed samples/s ({width} s mean)")
         rate.set_ylabel("samples/s")
         for a in out["systems"][name]["actions"]:
             ax.axvline(a["t"], color=COLORS.get(a["kind"], "k"), lw=0.8, ls="--", alpha=0.7)

@@ -20,8 +20,15 @@ from elasticyolo.chaos.measure import measure
 from elasticyolo.chaos.projection import EventCost, project
 from elasticyolo.chaos.schedule import Plan, ReplayTimeline, plan_checkpoint_restart, plan_elastic, timeline
 from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_trace
+from elasticyolo.errors import UserError
 
 BASELINE = "checkpoint-restart"
+
+
+class ReplayFailed(UserError):
+    """The cluster did not do what the replay needs (a world never formed, no steps to measure)."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -163,11 +170,15 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
                          aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
             env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, prep.notice_s, say)
             say("elasticyolo: calibrating steady-state samples/s per node count, then replaying")
-            er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, o.calibrate_s)
-            runs = [er]
-            if prep.restart is not None:
-                say("checkpoint-restart: replaying the same window, stop-the-world at every change")
-                runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes))
+            try:
+                er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, o.calibrate_s)
+                runs = [er]
+                if prep.restart is not None:
+                    say("checkpoint-restart: replaying the same window, stop-the-world at every change")
+                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes))
+            except (AssertionError, RuntimeError) as exc:
+                hint = f" (agent logs and worker traces under {root})" if o.keep else " (--keep keeps the logs)"
+                raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]}{hint}") from None
     finally:
         if not o.keep:
             import shutil

@@ -155,7 +155,9 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
             spans = []
             for _ in range(2):
                 t_a = time.time()
-                time.sleep(calibrate_s)  # measuring a fixed span of training
+                # A span: at least calibrate_s and at least 5 steps at this size.
+                wait_for(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
+                         env.startup_timeout_s, f"5 steps at world size {n}", interval=0.5)
                 got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
                 if got is not None:
                     spans.append(got)
