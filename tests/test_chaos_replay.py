@@ -23,6 +23,7 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
     # Hours 1.43-1.53 at K=3: 3 nodes, one leaves at 19.2 s (after a 12 s notice), one joins at 25.2 s.
     cmd = [ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "3", "--compress", "10",
            "--start-hour", "1.43", "--hours", "0.1", "--calibrate-s", "3", "--train-images", "128",
+           "--checkpoint-s", "100",
            "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "work")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -36,12 +37,14 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
     assert set(systems) == {"elasticyolo", "checkpoint-restart"}
     for name, s in systems.items():
         assert s["ideal_samples"] > 0, name
-        assert s["committed_samples"] > 0 and s["lost_samples"] >= 0, name
+        assert s["committed_samples"] >= 0 and s["lost_samples"] >= 0, name
         assert s["goodput_vs_ideal"] == pytest.approx(s["committed_samples"] / s["ideal_samples"], rel=1e-2)
         assert len(s["pause_s"]) == 2 and all(p >= 0 for p in s["pause_s"]), name  # one per change
         assert (s["duplicates"], s["skipped"]) == (0, 0), name
-        assert s["ratio_vs_baseline"] is not None
-    assert systems["checkpoint-restart"]["ratio_vs_baseline"] == 1.0
+    assert systems["elasticyolo"]["committed_samples"] > 0
+    if systems["checkpoint-restart"]["committed_samples"]:  # a restart can lose the whole window
+        assert systems["checkpoint-restart"]["ratio_vs_baseline"] == 1.0
+        assert systems["elasticyolo"]["ratio_vs_baseline"] > 0
     assert [c["kind"] for c in systems["elasticyolo"]["changes"]] == ["kill_notice", "join"]
     assert [a["kind"] for a in systems["elasticyolo"]["actions"]] == ["notice", "start", "kill"]
     assert [c["kind"] for c in systems["checkpoint-restart"]["changes"]] == ["restart", "restart"]

@@ -180,3 +180,12 @@ def test_projection_charges_a_joiners_start_up() -> None:
     zero = EventCost(0.0, 0.0, "t")
     slow_join = {"join": EventCost(0.0, 0.0, "t", ready_s=30.0), "kill_notice": zero, "kill_no_notice": zero}
     assert elastic_goodput(tr, slow_join, 1.0) == pytest.approx((5000 - 30 * 1) / 5000)
+
+
+def test_replay_side_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, elasticyolo.commands.chaos, elasticyolo.chaos.replay, elasticyolo.chaos.runner, "
+            "elasticyolo.chaos.plot\nsys.exit(1 if 'torch' in sys.modules or 'ultralytics' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

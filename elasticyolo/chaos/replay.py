@@ -163,6 +163,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         "spec": spec,
     }
     t_begin = time.monotonic()
+    failed = False
     try:
         with EtcdCluster(size=1) as etcd, S3Server() as s3:
             bucket = "elasticyolo-replay"
@@ -171,20 +172,22 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
             env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, prep.notice_s, say)
             say("elasticyolo: calibrating steady-state samples/s per node count, then replaying")
             try:
-                er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, o.calibrate_s)
+                final = tl.changes[-1].after if tl.changes else tl.initial
+                er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, o.calibrate_s, final)
                 runs = [er]
                 if prep.restart is not None:
                     say("checkpoint-restart: replaying the same window, stop-the-world at every change")
-                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes))
+                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final))
             except (AssertionError, RuntimeError) as exc:
-                hint = f" (agent logs and worker traces under {root})" if o.keep else " (--keep keeps the logs)"
-                raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]}{hint}") from None
+                failed = True
+                raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]} "
+                                   f"(agent logs and worker traces kept under {root})") from None
     finally:
-        if not o.keep:
+        if not o.keep and not failed:
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
-        else:
+        elif not failed:
             say(f"work dir kept: {root}")
     out["wall_s"] = round(time.monotonic() - t_begin, 1)
     rates = er.rates

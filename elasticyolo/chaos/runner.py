@@ -87,6 +87,12 @@ class _Nodes:
         wait_for(lambda: self.steps_after(after, world, steps), timeout, what, interval=0.5,
                  abort=lambda: "the job failed" if self.cluster.job_state() == "failed" else None)
 
+    def wait_checkpoint(self, timeout: float) -> None:
+        """A job that has run a while has a checkpoint in the store: start the clock after one."""
+        wait_for(lambda: self.cluster.client.get(self.cluster.keys.checkpoint_latest), timeout,
+                 "a first checkpoint in S3", interval=0.5,
+                 abort=lambda: "the job failed" if self.cluster.job_state() == "failed" else None)
+
     def wait_steps(self, after: float, n: int, timeout: float) -> None:
         wait_for(lambda: len([s for s in self.cluster.steps() if s["t"] > after and s["rank"] == 0]) >= n,
                  timeout, "steps after the last change", interval=0.5)
@@ -105,7 +111,7 @@ def _submit(nodes: _Nodes, env: ReplayEnv, job: str, max_nodes: int) -> None:
 
 
 def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Say,
-          apply: Callable[[Action], None], tail_s: float) -> list[dict[str, Any]]:
+          apply: Callable[[Action], None], tail_s: float, final_world: int = 0) -> list[dict[str, Any]]:
     played = []
     for a in actions:
         delay = t0 + a.t - time.time()
@@ -126,12 +132,15 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
     last = max([t_end] + [t0 + p["t"] for p in played])
     try:
         nodes.wait_steps(last, 2, tail_s)
+        if final_world:
+            nodes.wait_world(final_world, t_end, 2, tail_s, f"training at the window's final size {final_world}")
     except AssertionError as exc:
         say(f"  training did not resume after the window ({exc}); its last change is measured to the window's end")
     return played
 
 
-def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, calibrate_s: float) -> SystemRun:
+def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, calibrate_s: float,
+                final_world: int = 0) -> SystemRun:
     """elasticyolo: calibrate steady-state samples/s at 1..max_nodes nodes (one node joining at a
     time, no failures), return to the window's initial world, then replay the plan."""
     say = env.say
@@ -175,6 +184,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 nodes.kill(x)
         n0 = len(plan.initial_nodes)
         nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
+        nodes.wait_checkpoint(env.startup_timeout_s)
         t0 = time.time()
         say(f"elasticyolo: replay starts at world size {n0}")
 
@@ -189,7 +199,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 for n in a.nodes:
                     nodes.kill(n)
 
-        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s)
+        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
         t_stop = time.time()
         nodes.stop()
         return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, rates, t_stop)
@@ -197,7 +207,8 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
         nodes.stop()
 
 
-def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int) -> SystemRun:
+def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int,
+                           final_world: int = 0) -> SystemRun:
     """The stop-the-world baseline: every change SIGKILLs every node and starts a fresh world of
     the new size (new node names: nothing node-local survives), which restores the newest S3
     checkpoint of the same job."""
@@ -211,6 +222,7 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
         _submit(nodes, env, job, max_nodes)
         n0 = len(plan.initial_nodes)
         nodes.wait_world(n0, 0.0, 5, env.startup_timeout_s, f"steady training at world size {n0}")
+        nodes.wait_checkpoint(env.startup_timeout_s)
         t0 = time.time()
         say(f"checkpoint-restart: replay starts at world size {n0}")
 
@@ -220,7 +232,7 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
             for n in a.nodes:
                 nodes.start(n)
 
-        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s)
+        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
         t_stop = time.time()
         nodes.stop()
         return SystemRun("checkpoint-restart", t0, nodes.cluster.events(), played, t_stop=t_stop)
