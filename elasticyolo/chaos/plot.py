@@ -36,6 +36,7 @@ def plot_replay(out: dict[str, Any], tl: ReplayTimeline, figs: dict[str, SystemF
         rate.plot(f.series["t"], smooth, color="tab:gray", lw=1.0, alpha=0.9,
                   label=f"committed samples/s ({width} s mean)")
         rate.set_ylabel("samples/s")
+        rate.set_ylim(bottom=0)
         for a in out["systems"][name]["actions"]:
             ax.axvline(a["t"], color=COLORS.get(a["kind"], "k"), lw=0.8, ls="--", alpha=0.7)
         s = out["systems"][name]
