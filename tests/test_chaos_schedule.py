@@ -136,7 +136,8 @@ def test_measure_counts_rollbacks_pauses_and_coverage() -> None:
     assert fig.committed_samples == 6 + 2 + 5 and fig.lost_samples == 2
     assert fig.ideal_samples == 10 * 2 + 10 * 1
     assert (fig.duplicates, fig.skipped, fig.completed_epochs) == (0, 0, 1)
-    assert len(fig.pause_s) == 1 and fig.pause_s[0] == pytest.approx(12.0 - 3.5 - 1.0)
+    # only what follows the change is its pause: 10 -> 12 (the idle 3.5 -> 10 came before it)
+    assert len(fig.pause_s) == 1 and fig.pause_s[0] == pytest.approx(12.0 - 10.0)
     assert fig.changes[0].lost_samples == 2 and fig.changes[0].first_step_s == pytest.approx(2.0)
 
 
@@ -189,3 +190,12 @@ def test_replay_side_imports_no_torch() -> None:
     code = ("import sys, elasticyolo.commands.chaos, elasticyolo.chaos.replay, elasticyolo.chaos.runner, "
             "elasticyolo.chaos.plot\nsys.exit(1 if 'torch' in sys.modules or 'ultralytics' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_stretch_rates_skip_the_steps_after_a_change() -> None:
+    from elasticyolo.chaos.measure import stretch_rates
+
+    ev = [_step(float(i), i, 0, 1, [i]) for i in range(1, 9)]  # world 1: one sample per second
+    ev += [_step(9.0 + 0.5 * i, 9 + i, r, 2, [20 + 2 * i + r]) for i in range(8) for r in (0, 1)]  # 4 samples/s
+    got = stretch_rates(ev, 0.0, 100.0)
+    assert got[1] == pytest.approx(1.0) and got[2] == pytest.approx(4.0)

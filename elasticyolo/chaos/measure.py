@@ -80,6 +80,24 @@ def steady_rate(events: Sequence[Event], t0: float, t1: float, world: int) -> fl
     return sum(x[2] for x in ex[1:]) / span if span > 0 else None
 
 
+def stretch_rates(events: Sequence[Event], t0: float, t1: float, skip: int = 2, least: int = 5) -> dict[int, float]:
+    """Best steady samples/s per world size over the stretches of consecutive steps at one size
+    between t0 and t1 (the first `skip` steps after a change left out, at least `least` kept)."""
+    ex = [x for x in executions(step_records(events)) if t0 <= x[0] <= t1]
+    best: dict[int, float] = {}
+    i = 0
+    while i < len(ex):
+        j = i
+        while j < len(ex) and ex[j][1] == ex[i][1]:
+            j += 1
+        run = ex[i + skip:j]
+        if len(run) >= least and run[-1][0] > run[0][0]:
+            rate = sum(x[2] for x in run[1:]) / (run[-1][0] - run[0][0])
+            best[ex[i][1]] = max(best.get(ex[i][1], 0.0), rate)
+        i = j
+    return best
+
+
 @dataclass
 class ChangeFigures:
     t: float  # replay seconds
@@ -185,7 +203,9 @@ def measure(events: Sequence[Event], *, t_start: float, tl: ReplayTimeline, rate
         bounded = [t_start] + [t for t in all_times if t >= t_start]
         if i + 1 == len(wall) and (not bounded or bounded[-1] <= lo):
             bounded.append(t_end)
-        candidates = [(min(b, hi) - a) for a, b in zip(bounded, bounded[1:]) if b > lo and a < hi]
+        # Only the part after this change is its pause (an earlier change owns what came before).
+        candidates = [(min(b, hi) - max(a, lo)) + (min(typical, lo - a) if a < lo else 0.0)
+                      for a, b in zip(bounded, bounded[1:]) if b > lo and a < hi]
         pause = max(0.0, max(candidates, default=min(hi, t_end) - lo) - typical)
         first = next((t for t, w, _ in all_ex if t > lo and w == c.after), None)
         changes.append(ChangeFigures(c.t, c.before, c.after, change_kinds[i], pause, lost_by_change[i],
