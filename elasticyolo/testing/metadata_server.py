@@ -80,6 +80,16 @@ class _State:
             self.cond.notify_all()
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client killed mid-request (a SIGKILLed agent, as chaos runs do) is not a server error.
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class MetadataServer:
     """In-process server: http.server in a daemon thread, bound to 127.0.0.1 on a free port."""
 
@@ -103,7 +113,7 @@ class MetadataServer:
 
     def start(self) -> "MetadataServer":
         handler = type("Handler", (_Handler,), {"state": self.state, "server_obj": self})
-        self._httpd = ThreadingHTTPServer((HOST, self._port), handler)
+        self._httpd = _QuietServer((HOST, self._port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="metadata-server", daemon=True)

@@ -1,0 +1,237 @@
+"""`elasticyolo chaos replay`: both systems on one window of a trace, measured, projected, written.
+
+Order of work: parse and check everything first (one-line errors before any server starts), then
+etcd + S3, the data set, the elasticyolo run (with the ideal's calibration), the checkpoint-restart
+run, and last the figures, the projection, the JSON and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from elasticyolo.chaos.measure import measure, stretch_rates
+from elasticyolo.chaos.projection import EventCost, project
+from elasticyolo.chaos.schedule import Plan, ReplayTimeline, plan_checkpoint_restart, plan_elastic, timeline
+from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_trace
+from elasticyolo.errors import UserError
+
+BASELINE = "checkpoint-restart"
+
+
+class ReplayFailed(UserError):
+    """The cluster did not do what the replay needs (a world never formed, no steps to measure)."""
+
+    exit_code = 1
+
+
+@dataclass
+class ReplayOptions:
+    trace: Path
+    nodes: int
+    compress: float
+    start_hour: float
+    hours: float
+    json_out: Path
+    plot_out: Path | None = None
+    engine: str = "horovod"
+    baseline: str | None = BASELINE
+    notice_s: float | None = None  # default 120 / compress
+    notice_fraction: float = 1.0
+    seed: int = 0
+    model: str = "yolov8n.yaml"
+    imgsz: int = 64
+    batch: int = 4
+    train_images: int = 512
+    checkpoint_s: float = 300.0  # trace seconds between periodic checkpoints
+    calibrate_s: float = 8.0
+    spec: list[str] = field(default_factory=list)  # extra key=value training options
+    workdir: Path | None = None
+    keep: bool = False
+
+
+@dataclass(frozen=True)
+class Prepared:
+    trace: SpotTrace
+    timeline: ReplayTimeline
+    elastic: Plan
+    restart: Plan | None
+    notice_s: float
+
+
+def prepare(o: ReplayOptions) -> Prepared:
+    """Everything that can be wrong with the input, checked before anything starts."""
+    if o.baseline not in (None, BASELINE):
+        raise TraceError(f"--baseline {o.baseline!r}: only {BASELINE!r} is available")
+    if o.engine not in ("horovod", "torch"):
+        raise TraceError(f"--engine {o.engine!r}: horovod or torch")
+    trace = load_trace(o.trace)
+    window = check_window(trace, o.start_hour, o.hours)
+    tl = timeline(trace, window, o.nodes, o.compress)
+    notice_s = 120.0 / o.compress if o.notice_s is None else o.notice_s
+    elastic = plan_elastic(tl, notice_s=notice_s, notice_fraction=o.notice_fraction, seed=o.seed)
+    restart = plan_checkpoint_restart(tl) if o.baseline else None
+    return Prepared(trace, tl, elastic, restart, notice_s)
+
+
+def change_kinds(plan: Plan, tl: ReplayTimeline) -> tuple[list[str], list[float]]:
+    """Per change: join | kill_notice | kill_no_notice | restart, and the delay until its node dies."""
+    kinds, delays = [], []
+    for i, c in enumerate(tl.changes):
+        acts = [a for a in plan.actions if a.change == i]
+        if any(a.kind == "restart" for a in acts):
+            kinds.append("restart")
+            delays.append(0.0)
+        elif c.after > c.before:
+            kinds.append("join")
+            delays.append(0.0)
+        else:
+            noticed = {n for a in acts if a.kind == "notice" for n in a.nodes}
+            killed = {n for a in acts if a.kind == "kill" for n in a.nodes}
+            kinds.append("kill_notice" if killed <= noticed else "kill_no_notice")
+            delays.append(max((a.t - c.t for a in acts if a.kind == "kill"), default=0.0))
+    return kinds, delays
+
+
+def measured_costs(fig: Any, kinds: list[str], rates: dict[int, float], fraction: float) -> dict[str, EventCost]:
+    """Mean pause and lost work (seconds of the old world's work) per event type of a live run."""
+    out: dict[str, EventCost] = {}
+    for kind in ("join", "kill_notice", "kill_no_notice"):
+        cs = [c for c, k in zip(fig.changes, kinds) if k == kind]
+        if cs:
+            pause = sum(c.pause_s for c in cs) / len(cs)
+            lost = sum(c.lost_samples / rates[c.before] for c in cs) / len(cs)
+            ready = [c.first_step_s for c in cs if c.first_step_s is not None]
+            out[kind] = EventCost(pause, lost, f"live elasticyolo replay, mean of {len(cs)} event(s)",
+                                  sum(ready) / len(ready) if ready else 0.0)
+    kills = [k for k in ("kill_notice", "kill_no_notice") if k in out]
+    for kind in ("kill_notice", "kill_no_notice"):
+        if kind not in out:
+            # Not seen live (e.g. every kill had a notice): its weight in the projection is
+            # `fraction` or 1 - fraction; fall back on the other kill type and say so.
+            src = out[kills[0]] if kills else EventCost(0.0, 0.0, "")
+            out[kind] = EventCost(src.pause_s, src.lost_work_s,
+                                  f"not observed live (notice fraction {fraction:g}); "
+                                  + (f"{kills[0]}'s figure used" if kills else "no kill observed, 0 used"))
+    if "join" not in out:
+        out["join"] = EventCost(0.0, 0.0, "not observed live; 0 used")
+    return out
+
+
+def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[str] | None = None) -> dict[str, Any]:
+    prep = prepare(o)
+    tl = prep.timeline
+    say(f"trace {o.trace}: window hours {o.start_hour:g}-{o.start_hour + o.hours:g}, {o.nodes} nodes "
+        f"(count x {o.nodes}/{prep.trace.max_count}), compressed {o.compress:g}x -> {tl.duration_s:.0f}s, "
+        f"{len(tl.changes)} changes, initial world {tl.initial}")
+    for t, node, noticed in prep.elastic.victims():
+        say(f"  victim (seed {o.seed}): {node} at t={t:.1f}s " + (f"after a {prep.notice_s:g}s notice" if noticed
+                                                                   else "by SIGKILL, no notice"))
+    # Heavy imports only now (the CLI stays quick for bad input).
+    import boto3
+
+    from elasticyolo.chaos.runner import ReplayEnv, run_checkpoint_restart, run_elastic
+    from elasticyolo.data.synth import SynthSpec, write_dataset
+    from elasticyolo.testing.servers import EtcdCluster, S3Server
+
+    root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=8, imgsz=o.imgsz, classes=2))
+    # Epoch-end checkpoints come on top of the periodic ones; few steps per epoch would hand the
+    # baseline extra checkpoints, hence the default of 512 images.
+    ckpt_live_s = o.checkpoint_s / o.compress
+    spec = [f"model={o.model}", f"data={data}", "epochs=100000", f"imgsz={o.imgsz}", f"batch={o.batch}",
+            f"nbs={o.batch}", "warmup_epochs=0", "close_mosaic=0", "val=false", "amp=false", "workers=0",
+            f"engine={o.engine}", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4",
+            "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", *o.spec]
+    out: dict[str, Any] = {
+        "command": "elasticyolo " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "trace": str(o.trace), "window": {"start_hour": o.start_hour, "hours": o.hours,
+                                          "name": f"hours {o.start_hour:g}-{o.start_hour + o.hours:g}"},
+        "nodes": o.nodes, "compress": o.compress, "engine": o.engine, "notice_s": prep.notice_s,
+        "notice_fraction": o.notice_fraction, "seed": o.seed, "replay_s": tl.duration_s,
+        "checkpoint_interval_s": {"live": ckpt_live_s, "trace": o.checkpoint_s},
+        "changes": [{"t": round(c.t, 2), "trace_hour": round(c.trace_t / 3600, 4), "before": c.before,
+                     "after": c.after} for c in tl.changes],
+        "victims": [{"t": round(t, 2), "node": n, "notice": nz} for t, n, nz in prep.elastic.victims()],
+        "spec": spec,
+    }
+    t_begin = time.monotonic()
+    failed = False
+    try:
+        with EtcdCluster(size=1) as etcd, S3Server() as s3:
+            bucket = "elasticyolo-replay"
+            boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id="testing",
+                         aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
+            env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, prep.notice_s, say)
+            say("elasticyolo: calibrating steady-state samples/s per node count, then replaying")
+            try:
+                final = tl.changes[-1].after if tl.changes else tl.initial
+                er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, o.calibrate_s, final)
+                runs = [er]
+                if prep.restart is not None:
+                    say("checkpoint-restart: replaying the same window, stop-the-world at every change")
+                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final))
+            except (AssertionError, RuntimeError) as exc:
+                failed = True
+                raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]} "
+                                   f"(agent logs and worker traces kept under {root})") from None
+    finally:
+        if not o.keep and not failed:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+        elif not failed:
+            say(f"work dir kept: {root}")
+    out["wall_s"] = round(time.monotonic() - t_begin, 1)
+    # The ideal is the best steady state: the calibration, or a steadier stretch at the same size
+    # seen later in either run (the machine's load can change between them).
+    rates = dict(er.rates)
+    for run in runs:
+        for n, r in stretch_rates(run.events, run.t_start - 60.0, run.t_stop).items():
+            if n in rates and r > rates[n]:
+                rates[n] = r
+    out["calibrated_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(er.rates.items())}
+    out["ideal_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(rates.items())}
+    systems: dict[str, Any] = {}
+    figs = {}
+    for run, plan in zip(runs, [prep.elastic, prep.restart]):
+        assert plan is not None
+        kinds, delays = change_kinds(plan, tl)
+        fig = measure(run.events, t_start=run.t_start, tl=tl, rates=rates, num_samples=o.train_images,
+                      change_kinds=kinds, change_delays=delays, until=run.t_stop)
+        figs[run.name] = (fig, kinds)
+        systems[run.name] = {**fig.to_json(), "actions": run.applied}
+    base = systems.get(BASELINE)
+    for name, s in systems.items():
+        s["ratio_vs_baseline"] = (round(s["committed_samples"] / base["committed_samples"], 3)
+                                  if base and base["committed_samples"] else None)
+    out["systems"] = systems
+    if prep.restart is not None:
+        efig, ekinds = figs["elasticyolo"]
+        rfig, _ = figs[BASELINE]
+        restarts = [c.first_step_s for c in rfig.changes if c.first_step_s is not None]
+        # A restart cut short by the next change never reached a first step: not a sample of the cost.
+        restart_s = (sum(restarts) / len(restarts) if restarts
+                     else sum(c.pause_s for c in rfig.changes) / max(1, len(rfig.changes)))
+        restart = EventCost(restart_s, 0.0, f"live checkpoint-restart replay: change -> first step of the new "
+                                            f"world, mean of {len(restarts)} completed restart(s)")
+        proj = project(prep.trace, measured_costs(efig, ekinds, rates, o.notice_fraction), restart,
+                       checkpoint_interval_s=o.checkpoint_s, notice_fraction=o.notice_fraction)
+        out["projection"] = proj.to_json()
+        if rfig.changes:
+            out["projection"]["costs_used"]["checkpoint-restart.lost_work"]["live_mean_lost_s"] = round(
+                sum(c.lost_samples / rates[c.before] for c in rfig.changes) / len(rfig.changes), 3)
+    o.json_out.parent.mkdir(parents=True, exist_ok=True)
+    o.json_out.write_text(json.dumps(out, indent=2))
+    if o.plot_out is not None:
+        from elasticyolo.chaos.plot import plot_replay
+
+        plot_replay(out, tl, {name: f for name, (f, _) in figs.items()}, o.plot_out)
+    return out

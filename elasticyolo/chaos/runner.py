@@ -1,0 +1,244 @@
+"""Apply a replay plan to a real local cluster (the executor; no torch in this process).
+
+One etcd, one S3 API server (moto) and one cloud metadata server per node, all on 127.0.0.1;
+real `elasticyolo agent` processes (testing/agent_cluster.py) training a real job whose workers
+write JSONL traces. A system's run: bring up its initial world, wait until it trains steadily,
+then play the plan's actions on the replay clock and stop everything at the window's end.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from elasticyolo.chaos.measure import steady_rate
+from elasticyolo.chaos.schedule import Action, Plan
+from elasticyolo.testing.agent_cluster import AgentCluster
+from elasticyolo.testing.metadata_server import MetadataServer
+from elasticyolo.testing.wait import wait_for
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class ReplayEnv:
+    """What both systems share: servers, data, the job spec."""
+
+    etcd_endpoints: str
+    s3_env: dict[str, str]
+    spec: list[str]  # key=value words for `elasticyolo submit` (without the checkpoint store)
+    bucket: str
+    workdir: Path
+    notice_s: float
+    say: Say = print
+    startup_timeout_s: float = 600.0
+
+
+@dataclass
+class SystemRun:
+    """One system's replay: when the clock started and the workers' trace events."""
+
+    name: str
+    t_start: float
+    events: list[dict[str, Any]]
+    applied: list[dict[str, Any]] = field(default_factory=list)  # actions as played (wall times)
+    rates: dict[int, float] = field(default_factory=dict)  # steady-state samples/s (elasticyolo run)
+    t_stop: float = float("inf")  # when the runner began stopping the cluster (its drains do not count)
+
+
+class _Nodes:
+    """The agents of one job, each with its own metadata server (its own "VM")."""
+
+    def __init__(self, env: ReplayEnv, job: str, workdir: Path) -> None:
+        self.env = env
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.cluster = AgentCluster(env.etcd_endpoints, job, workdir,
+                                    env={"OMP_NUM_THREADS": "1", **env.s3_env})
+        self.md: dict[str, MetadataServer] = {}
+        # Drain well inside the (compressed) notice; the agent polls its metadata twice a second.
+        self.margin_s = round(min(5.0, max(0.0, env.notice_s * 0.25)), 2)
+
+    def start(self, node: str) -> None:
+        md = self.md[node] = MetadataServer(providers=("aws",)).start()
+        self.cluster.start(node, "--spot-provider", "aws", "--metadata-url", md.url, "--spot-poll-interval", "0.5",
+                           "--drain-margin-s", str(self.margin_s))
+
+    def alive(self, node: str) -> bool:
+        a = self.cluster.agents.get(node)
+        return a is not None and a.proc is not None and a.proc.poll() is None
+
+    def live(self) -> list[str]:
+        return [n for n in self.cluster.agents if self.alive(n)]
+
+    def notice(self, node: str, in_s: float) -> None:
+        self.md[node].announce("aws", action="terminate", in_s=in_s)
+
+    def kill(self, node: str) -> None:
+        if self.alive(node):
+            self.cluster.kill(node)
+
+    def steps_after(self, t: float, world: int, n: int) -> bool:
+        return len([s for s in self.cluster.steps(world=world) if s["t"] > t and s["rank"] == 0]) >= n
+
+    def wait_world(self, world: int, after: float, steps: int, timeout: float, what: str) -> None:
+        wait_for(lambda: self.steps_after(after, world, steps), timeout, what, interval=0.5,
+                 abort=lambda: "the job failed" if self.cluster.job_state() == "failed" else None)
+
+    def wait_checkpoint(self, timeout: float) -> None:
+        """A job that has run a while has a checkpoint in the store: start the clock after one."""
+        wait_for(lambda: self.cluster.client.get(self.cluster.keys.checkpoint_latest), timeout,
+                 "a first checkpoint in S3", interval=0.5,
+                 abort=lambda: "the job failed" if self.cluster.job_state() == "failed" else None)
+
+    def wait_steps(self, after: float, n: int, timeout: float) -> None:
+        wait_for(lambda: len([s for s in self.cluster.steps() if s["t"] > after and s["rank"] == 0]) >= n,
+                 timeout, "steps after the last change", interval=0.5)
+
+    def stop(self) -> None:
+        try:
+            self.cluster.stop()
+        finally:
+            for md in self.md.values():
+                md.stop()
+            self.md.clear()
+
+
+def _submit(nodes: _Nodes, env: ReplayEnv, job: str, max_nodes: int) -> None:
+    nodes.cluster.submit(*env.spec, f"max_nodes={max_nodes}", f"checkpoint=s3://{env.bucket}/replay")
+
+
+def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Say,
+          apply: Callable[[Action], None], tail_s: float, final_world: int = 0) -> list[dict[str, Any]]:
+    played = []
+    for a in actions:
+        delay = t0 + a.t - time.time()
+        if delay > 0:
+            time.sleep(delay)  # the replay clock: actions happen at trace times, not on conditions
+        if time.time() >= t_end:
+            break
+        at = time.time()
+        apply(a)
+        played.append({"t": round(at - t0, 3), "kind": a.kind, "nodes": list(a.nodes), "change": a.change})
+        say(f"  t={at - t0:7.2f}s  {a.kind:<8} {' '.join(a.nodes)}"
+            + (f"  (killed in {a.notice_s:g}s)" if a.notice_s else ""))
+    left = t_end - time.time()
+    if left > 0:
+        time.sleep(left)
+    # Keep going until training resumes after the last action: only then is it known which of
+    # the window's steps were rolled back (and what the last change cost).
+    last = max([t_end] + [t0 + p["t"] for p in played])
+    try:
+        nodes.wait_steps(last, 2, tail_s)
+        if final_world:
+            nodes.wait_world(final_world, t_end, 2, tail_s, f"training at the window's final size {final_world}")
+    except AssertionError as exc:
+        say(f"  training did not resume after the window ({exc}); its last change is measured to the window's end")
+    return played
+
+
+def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, calibrate_s: float,
+                final_world: int = 0) -> SystemRun:
+    """elasticyolo: calibrate steady-state samples/s at 1..max_nodes nodes (one node joining at a
+    time, no failures), return to the window's initial world, then replay the plan."""
+    say = env.say
+    job = "replay-elastic"
+    nodes = _Nodes(env, job, env.workdir / "elasticyolo")
+    extra = [f"x{i}" for i in range(1, max_nodes - len(plan.initial_nodes) + 1)]
+    ramp = plan.initial_nodes + extra
+    rates: dict[int, float] = {}
+    try:
+        nodes.start(ramp[0])
+        nodes.cluster.wait(lambda: nodes.cluster.leader() == ramp[0], 60, f"{ramp[0]} to lead")
+        _submit(nodes, env, job, max_nodes)
+        for n in range(1, max_nodes + 1):
+            if n > 1:
+                nodes.start(ramp[n - 1])
+            t_join = time.time()
+            nodes.wait_world(n, t_join, 3, env.startup_timeout_s, f"training at world size {n}")
+            # Let the join settle (a joiner's start-up competes for the CPUs), then keep the best
+            # of two measured spans: the ideal is the best steady state.
+            time.sleep(calibrate_s)
+            spans = []
+            for _ in range(2):
+                t_a = time.time()
+                # A span: at least calibrate_s and at least 5 steps at this size.
+                wait_for(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
+                         env.startup_timeout_s, f"5 steps at world size {n}", interval=0.5)
+                got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
+                if got is not None:
+                    spans.append(got)
+            if not spans:
+                raise RuntimeError(f"no steady steps at world size {n} to measure")
+            rates[n] = max(spans)
+            say(f"ideal: {n} node(s) train {rates[n]:.1f} samples/s (best of {len(spans)} x {calibrate_s:g}s)")
+        for x in extra:  # back to the window's initial size: the extra nodes leave with a notice
+            nodes.notice(x, env.notice_s)
+        t_drop = time.time()
+        if extra:
+            wait_for(lambda: all(not nodes.alive(x) or time.time() > t_drop + env.notice_s for x in extra),
+                     env.notice_s + 30, "the calibration nodes to leave", interval=0.2)
+            for x in extra:
+                nodes.kill(x)
+        n0 = len(plan.initial_nodes)
+        nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
+        nodes.wait_checkpoint(env.startup_timeout_s)
+        t0 = time.time()
+        say(f"elasticyolo: replay starts at world size {n0}")
+
+        def apply(a: Action) -> None:
+            if a.kind == "start":
+                for n in a.nodes:
+                    nodes.start(n)
+            elif a.kind == "notice":
+                for n in a.nodes:
+                    nodes.notice(n, a.notice_s or 0.0)
+            elif a.kind == "kill":
+                for n in a.nodes:
+                    nodes.kill(n)
+
+        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
+        t_stop = time.time()
+        nodes.stop()
+        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, rates, t_stop)
+    finally:
+        nodes.stop()
+
+
+def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int,
+                           final_world: int = 0) -> SystemRun:
+    """The stop-the-world baseline: every change SIGKILLs every node and starts a fresh world of
+    the new size (new node names: nothing node-local survives), which restores the newest S3
+    checkpoint of the same job."""
+    say = env.say
+    job = "replay-restart"
+    nodes = _Nodes(env, job, env.workdir / "checkpoint-restart")
+    try:
+        for n in plan.initial_nodes:
+            nodes.start(n)
+        nodes.cluster.wait(lambda: nodes.cluster.leader() is not None, 60, "a leader")
+        _submit(nodes, env, job, max_nodes)
+        n0 = len(plan.initial_nodes)
+        nodes.wait_world(n0, 0.0, 5, env.startup_timeout_s, f"steady training at world size {n0}")
+        nodes.wait_checkpoint(env.startup_timeout_s)
+        t0 = time.time()
+        say(f"checkpoint-restart: replay starts at world size {n0}")
+
+        def apply(a: Action) -> None:
+            for n in nodes.live():
+                nodes.kill(n)
+            for n in a.nodes:
+                nodes.start(n)
+
+        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
+        t_stop = time.time()
+        nodes.stop()
+        return SystemRun("checkpoint-restart", t0, nodes.cluster.events(), played, t_stop=t_stop)
+    finally:
+        nodes.stop()
+
+
+def clean(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,70 @@
+"""`elasticyolo chaos replay`: replay a window of a real spot trace against local agents and a
+checkpoint-restart baseline; goodput against the ideal, JSON and a PNG timeline."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = sub.add_parser("replay", help="replay a spot trace window (see README: Replaying a spot trace)")
+    p.add_argument("--trace", type=Path, required=True, help="CSV of time_ms,node_count rows (no header)")
+    p.add_argument("--nodes", type=int, required=True, help="K: local nodes the trace's maximum maps to")
+    p.add_argument("--compress", type=float, required=True, help="F: time compression factor")
+    p.add_argument("--start-hour", type=float, required=True, help="H: window start, trace hours")
+    p.add_argument("--hours", type=float, required=True, help="D: window length, trace hours")
+    p.add_argument("--engine", choices=("horovod", "torch"), default="horovod")
+    p.add_argument("--baseline", choices=("checkpoint-restart", "none"), default="checkpoint-restart",
+                   help="also replay the window with a stop-the-world checkpoint-restart system (default)")
+    p.add_argument("--notice-s", type=float, default=None, help="spot notice before a kill (default 120 / F)")
+    p.add_argument("--notice-fraction", type=float, default=1.0, help="P: share of kills with a notice")
+    p.add_argument("--seed", type=int, default=0, help="chooses the victims and which get a notice")
+    p.add_argument("--model", default="yolov8n.yaml")
+    p.add_argument("--imgsz", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--train-images", type=int, default=512, help="size of the generated training set")
+    p.add_argument("--checkpoint-s", type=float, default=300.0,
+                   help="seconds of trace time between periodic S3 checkpoints (live: this / F)")
+    p.add_argument("--calibrate-s", type=float, default=8.0, help="seconds measured per node count for the ideal")
+    p.add_argument("--set", dest="spec", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra training option for the job (repeatable)")
+    p.add_argument("--json", dest="json_out", type=Path, required=True, help="write the figures here")
+    p.add_argument("--plot", dest="plot_out", type=Path, default=None, help="write the PNG timeline here")
+    p.add_argument("--workdir", type=Path, default=None, help="data, logs and traces (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+
+
+def run(args: argparse.Namespace) -> int:
+    from elasticyolo.chaos.replay import ReplayOptions, run_replay
+
+    opts = ReplayOptions(
+        trace=args.trace, nodes=args.nodes, compress=args.compress, start_hour=args.start_hour, hours=args.hours,
+        json_out=args.json_out, plot_out=args.plot_out, engine=args.engine,
+        baseline=None if args.baseline == "none" else args.baseline, notice_s=args.notice_s,
+        notice_fraction=args.notice_fraction, seed=args.seed, model=args.model, imgsz=args.imgsz,
+        batch=args.batch, train_images=args.train_images, checkpoint_s=args.checkpoint_s,
+        calibrate_s=args.calibrate_s, spec=list(args.spec), workdir=args.workdir, keep=args.keep,
+    )
+    out = run_replay(opts, say=lambda m: print(m, flush=True))
+    print(summary(out), flush=True)
+    print(f"figures: {args.json_out}" + (f", timeline: {args.plot_out}" if args.plot_out else ""), flush=True)
+    return 0
+
+
+def summary(out: dict) -> str:  # type: ignore[type-arg]
+    lines = [f"\nwindow {out['window']['name']} of {out['trace']}: K={out['nodes']} F={out['compress']:g} "
+             f"engine={out['engine']} ({len(out['changes'])} changes)"]
+    lines.append(f"{'system':<20}{'committed':>10}{'lost':>8}{'goodput/ideal':>15}{'vs baseline':>13}"
+                 f"{'dup':>5}{'skip':>5}  pauses s")
+    for name, s in out["systems"].items():
+        lines.append(f"{name:<20}{s['committed_samples']:>10}{s['lost_samples']:>8}{s['goodput_vs_ideal']:>15.3f}"
+                     f"{str(s['ratio_vs_baseline']):>13}{s['duplicates']:>5}{s['skipped']:>5}  "
+                     + " ".join(f"{p:.1f}" for p in s["pause_s"]))
+    if "projection" in out:
+        p = out["projection"]
+        lines.append(f"projection (whole trace, {p['trace_hours']} h, {p['changes']} changes, uncompressed): "
+                     + ", ".join(f"{n} goodput/ideal {s['goodput_vs_ideal']:.3f} (x{s['ratio_vs_baseline']})"
+                                 for n, s in p["systems"].items()))
+    return "\n".join(lines)

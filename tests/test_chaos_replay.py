@@ -1,0 +1,79 @@
+"""`elasticyolo chaos replay` end to end: a few minutes of the real spot trace (K=3, F=20) against
+real etcd, a real S3 API server, per-node metadata servers and agents training YOLO, for elasticyolo
+and the checkpoint-restart baseline; the JSON's invariants, the PNG, and one-line input errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ELASTICYOLO = str(Path(sys.executable).with_name("elasticyolo"))
+TRACE_NAME = "shared/traces/aws-p3-32node-parcae.csv"
+TRACE = next((p / TRACE_NAME for p in Path(__file__).resolve().parents if (p / TRACE_NAME).exists()), None)
+needs_trace = pytest.mark.skipif(TRACE is None, reason=f"../{TRACE_NAME} not found above the repo")
+
+
+@needs_trace
+@pytest.mark.timeout(960)  # ~3-4 min on 2 idle cores; much more when other jobs share them
+def test_short_replay_end_to_end(tmp_path: Path) -> None:
+    out, png = tmp_path / "replay.json", tmp_path / "replay.png"
+    # Hours 1.43-1.53 at K=3, F=20: 3 nodes, one gets a 6 s notice at 9.6 s, one joins at 12.6 s.
+    cmd = [ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "3", "--compress", "20",
+           "--start-hour", "1.43", "--hours", "0.1", "--calibrate-s", "2", "--train-images", "128",
+           "--checkpoint-s", "60",
+           "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "work")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "victim (seed 0): n2" in r.stdout and "goodput/ideal" in r.stdout
+    fig = json.loads(out.read_text())
+    assert png.stat().st_size > 10_000
+    assert len(fig["changes"]) == 2 and fig["window"]["name"] == "hours 1.43-1.53"
+    assert set(fig["ideal_samples_per_s"]) == {"1", "2", "3"}
+    assert all(v > 0 for v in fig["ideal_samples_per_s"].values())
+    systems = fig["systems"]
+    assert set(systems) == {"elasticyolo", "checkpoint-restart"}
+    for name, s in systems.items():
+        assert s["ideal_samples"] > 0, name
+        assert s["committed_samples"] >= 0 and s["lost_samples"] >= 0, name
+        assert s["goodput_vs_ideal"] == pytest.approx(s["committed_samples"] / s["ideal_samples"], rel=1e-2)
+        assert len(s["pause_s"]) == 2 and all(p >= 0 for p in s["pause_s"]), name  # one per change
+        assert (s["duplicates"], s["skipped"]) == (0, 0), name
+    assert systems["elasticyolo"]["committed_samples"] > 0
+    if systems["checkpoint-restart"]["committed_samples"]:  # a restart can lose the whole window
+        assert systems["checkpoint-restart"]["ratio_vs_baseline"] == 1.0
+        assert systems["elasticyolo"]["ratio_vs_baseline"] > 0
+    assert [c["kind"] for c in systems["elasticyolo"]["changes"]] == ["kill_notice", "join"]
+    assert [a["kind"] for a in systems["elasticyolo"]["actions"]] == ["notice", "start", "kill"]
+    assert [c["kind"] for c in systems["checkpoint-restart"]["changes"]] == ["restart", "restart"]
+    proj = fig["projection"]
+    assert proj["changes"] > 100 and set(proj["systems"]) == {"elasticyolo", "checkpoint-restart"}
+    assert 0 < proj["systems"]["elasticyolo"]["goodput_vs_ideal"] <= 1
+    assert {"elasticyolo.join", "elasticyolo.kill_notice", "checkpoint-restart.restart"} <= set(proj["costs_used"])
+    # Nothing left behind: every agent and worker of both systems is gone.
+    assert "work dir kept" not in r.stdout
+
+
+@needs_trace
+@pytest.mark.parametrize("args, message", [
+    (["--start-hour", "11", "--hours", "1"], "outside trace"),
+    (["--start-hour", "1", "--hours", "1", "--notice-fraction", "1.5"], "--notice-fraction 1.5"),
+])
+def test_bad_window_is_one_line_error(tmp_path: Path, args: list[str], message: str) -> None:
+    r = subprocess.run([ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "3", "--compress", "10",
+                        *args, "--json", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_malformed_trace_is_one_line_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0,1\n0,2\n60000,3\n30000,2\n")
+    r = subprocess.run([ELASTICYOLO, "chaos", "replay", "--trace", str(bad), "--nodes", "2", "--compress", "10",
+                        "--start-hour", "0", "--hours", "0.01", "--json", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"trace {bad} line 4: time 30000 ms is before the previous row" in r.stderr

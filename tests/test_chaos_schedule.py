@@ -1,0 +1,201 @@
+"""Spot-trace parsing, window checks, schedule mapping, measurement and projection: pure logic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elasticyolo.chaos.measure import committed_records, coverage_faults, executions, ideal_samples, measure
+from elasticyolo.chaos.projection import EventCost, elastic_goodput, project, restart_goodput
+from elasticyolo.chaos.schedule import plan_checkpoint_restart, plan_elastic, scale_count, timeline
+from elasticyolo.chaos.trace import TraceError, check_window, load_trace, parse_trace
+
+TRACE_NAME = "shared/traces/aws-p3-32node-parcae.csv"
+REAL = next((p / TRACE_NAME for p in Path(__file__).resolve().parents if (p / TRACE_NAME).exists()), Path(TRACE_NAME))
+SMALL = "0,1\n0,2\n0,3\n0,4\n600000,3\n1200000,2\n1200000,1\n1800000,2\n2400000,3\n3600000,4\n"
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    ("0,1\n1000\n", "line 2: expected 2 columns"),
+    ("0,1\n1000,2,3\n", "line 2: expected 2 columns"),
+    ("0,1\n1000,-2\n", "line 2: node_count -2 is negative"),
+    ("0,1\n2000,2\n1000,3\n", "line 3: time 1000 ms is before the previous row"),
+    ("time_ms,node_count\n0,1\n", "line 1: time_ms 'time_ms' is not a number"),
+    ("0,1\n1000,two\n", "line 2: node_count 'two' is not an integer"),
+    ("", "no rows"),
+    ("0,0\n5,0\n", "every node_count is 0"),
+])
+def test_malformed_trace_is_one_line_error(text: str, message: str) -> None:
+    with pytest.raises(TraceError) as err:
+        parse_trace(text, "t.csv")
+    assert message in str(err.value) and "t.csv" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace(tmp_path / "nope.csv")
+
+
+def test_window_outside_trace() -> None:
+    tr = parse_trace(SMALL, "s.csv")
+    assert tr.duration_s == 3600 and tr.max_count == 4
+    check_window(tr, 0.5, 0.5)
+    for start, hours in ((0.5, 1.0), (-0.1, 0.5), (0.0, 0.0), (2.0, 1.0)):
+        with pytest.raises(TraceError) as err:
+            check_window(tr, start, hours)
+        assert "\n" not in str(err.value)
+
+
+# ---- schedule ---------------------------------------------------------------------------------
+def test_scale_rounds_half_up() -> None:
+    assert [scale_count(c, 4, 32) for c in (10, 12, 20, 28, 32)] == [1, 2, 3, 4, 4]
+
+
+def test_timeline_collapses_bursts_and_compresses() -> None:
+    tr = parse_trace(SMALL, "s.csv")
+    tl = timeline(tr, check_window(tr, 0.0, 1.0), nodes=4, compress=60)
+    assert tl.initial == 4 and tl.duration_s == 60
+    # the burst at 1200 s (3 -> 2 -> 1) is one change; the row at 3600 s is outside [0, 1 h)
+    assert [(c.t, c.before, c.after) for c in tl.changes] == [(10, 4, 3), (20, 3, 1), (30, 1, 2), (40, 2, 3)]
+    assert [(s.t0, s.t1, s.nodes) for s in tl.segments()] == [(0, 10, 4), (10, 20, 3), (20, 30, 1), (30, 40, 2),
+                                                              (40, 60, 3)]
+    assert ideal_samples(tl, {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}) == 40 + 30 + 10 + 20 + 60
+
+
+def test_scaling_to_zero_is_refused() -> None:
+    tr = parse_trace(SMALL, "s.csv")
+    with pytest.raises(TraceError, match="0 nodes"):
+        timeline(tr, check_window(tr, 0.0, 1.0), nodes=1, compress=60)
+
+
+def test_elastic_plan_is_seeded_and_consistent() -> None:
+    tr = parse_trace(SMALL, "s.csv")
+    tl = timeline(tr, check_window(tr, 0.0, 1.0), nodes=4, compress=60)
+    plan = plan_elastic(tl, notice_s=2.0, notice_fraction=0.5, seed=7)
+    assert plan == plan_elastic(tl, notice_s=2.0, notice_fraction=0.5, seed=7)
+    assert plan.initial_nodes == ["n1", "n2", "n3", "n4"]
+    live = set(plan.initial_nodes)
+    for a in plan.actions:  # applying the plan in order never kills a dead node or starts a live one
+        if a.kind == "start":
+            assert not live & set(a.nodes)
+            live |= set(a.nodes)
+        elif a.kind == "kill":
+            assert set(a.nodes) <= live
+            live -= set(a.nodes)
+    assert len(live) == 3
+    kills = [a for a in plan.actions if a.kind == "kill"]
+    assert sum(len(a.nodes) for a in kills) == 1 + 2
+    for a in plan.actions:  # a notice comes notice_s before its kill
+        if a.kind == "notice":
+            assert any(k.nodes == a.nodes and k.t == a.t + 2.0 for k in kills)
+    all_notice = plan_elastic(tl, notice_s=2.0, notice_fraction=1.0, seed=1)
+    assert all(v[2] for v in all_notice.victims())
+    assert not any(v[2] for v in plan_elastic(tl, notice_s=2.0, notice_fraction=0.0, seed=1).victims())
+
+
+def test_checkpoint_restart_plan_restarts_a_fresh_world_per_change() -> None:
+    tr = parse_trace(SMALL, "s.csv")
+    tl = timeline(tr, check_window(tr, 0.0, 1.0), nodes=4, compress=60)
+    plan = plan_checkpoint_restart(tl)
+    assert plan.initial_nodes == ["g0n1", "g0n2", "g0n3", "g0n4"]
+    assert [(a.t, a.kind, len(a.nodes)) for a in plan.actions] == [(10, "restart", 3), (20, "restart", 1),
+                                                                   (30, "restart", 2), (40, "restart", 3)]
+    names = [n for a in plan.actions for n in a.nodes]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="shared trace not present")
+def test_real_trace_windows() -> None:
+    tr = load_trace(REAL)
+    assert tr.max_count == 32 and round(tr.duration_s / 3600, 1) == 11.4
+    assert timeline(tr, check_window(tr, 5.0, 0.5), 4, 60).changes == ()  # the issue's quiet half hour
+    assert len(timeline(tr, check_window(tr, 4.0, 1.0), 4, 60).changes) >= 4
+
+
+# ---- measurement ------------------------------------------------------------------------------
+def _step(t: float, step: int, rank: int, world: int, indices: list[int], epoch: int = 0, start: int = 0) -> dict:
+    return {"ev": "step", "t": t, "step": step, "rank": rank, "world": world, "epoch": epoch, "start": start,
+            "indices": indices, "pid": 100 + rank}
+
+
+def test_measure_counts_rollbacks_pauses_and_coverage() -> None:
+    tr = parse_trace("0,2\n10000,1\n20000,1\n", "m.csv")
+    tl = timeline(tr, check_window(tr, 0.0, 20 / 3600), nodes=2, compress=1)
+    ev = []
+    # world 2, steps 1..4 (t 0.5..3.5); step 4 is rolled back at the kill at t=10
+    for s in range(1, 5):
+        ev += [_step(s - 0.5, s, 0, 2, [2 * (s - 1)], start=2 * (s - 1)), _step(s - 0.5, s, 1, 2, [2 * s - 1], start=2 * (s - 1))]
+    # world 1 resumes at step 4 at t=12 (2 s pause after the change at 10 + typical gaps of 1 s)
+    ev += [{"ev": "resume", "t": 11.9, "step": 3, "rank": 0, "world": 1, "pid": 1}]
+    ev += [_step(12.0 + i, 4 + i, 0, 1, [6 + i], start=6 + i) for i in range(2)]  # finishes epoch 0 (8 samples)
+    ev += [_step(14.0 + i, 6 + i, 0, 1, [i], epoch=1, start=i) for i in range(5)]
+    fig = measure(ev, t_start=0.0, tl=tl, rates={1: 1.0, 2: 2.0}, num_samples=8,
+                  change_kinds=["kill_no_notice"], change_delays=[0.0])
+    assert fig.committed_samples == 6 + 2 + 5 and fig.lost_samples == 2
+    assert fig.ideal_samples == 10 * 2 + 10 * 1
+    assert (fig.duplicates, fig.skipped, fig.completed_epochs) == (0, 0, 1)
+    # only what follows the change is its pause: 10 -> 12 (the idle 3.5 -> 10 came before it)
+    assert len(fig.pause_s) == 1 and fig.pause_s[0] == pytest.approx(12.0 - 10.0)
+    assert fig.changes[0].lost_samples == 2 and fig.changes[0].first_step_s == pytest.approx(2.0)
+
+
+def test_a_restore_discards_later_steps_even_if_never_redone() -> None:
+    # A restart restored step 2 (a checkpoint) at t=10; steps 3..5 done before it are lost even
+    # though the new world never got as far as re-executing them.
+    ev = [_step(i, i, 0, 1, [i]) for i in range(1, 6)]
+    ev += [{"ev": "resume", "t": 10.0, "step": 2, "rank": 0, "world": 1, "pid": 2}, _step(11, 3, 0, 1, [3])]
+    assert [(e["t"], e["step"]) for e in committed_records(ev)] == [(1, 1), (2, 2), (11, 3)]
+    assert [e["step"] for e in committed_records(ev, until=9.0)] == [1, 2, 3, 4, 5, 3]
+
+
+def test_coverage_faults_find_duplicates_and_gaps() -> None:
+    ev = [_step(1, 1, 0, 1, [0, 1, 1]), _step(2, 2, 0, 1, [3], start=3), _step(3, 3, 0, 1, [0], epoch=1)]
+    assert coverage_faults(ev, 4) == (1, 1, 1)
+    assert len(executions([_step(1, 1, 0, 2, [0]), _step(1.1, 1, 1, 2, [1]), _step(9, 1, 0, 2, [0])])) == 2
+
+
+# ---- projection -------------------------------------------------------------------------------
+def test_projection_model() -> None:
+    tr = parse_trace("0,1\n0,2\n1000000,1\n2000000,2\n3000000,2\n", "p.csv")  # 2 nodes, 1 leaves, 1 joins
+    zero = EventCost(0.0, 0.0, "test")
+    free = {"join": zero, "kill_notice": zero, "kill_no_notice": zero}
+    assert elastic_goodput(tr, free, 1.0) == 1.0
+    # ideal = 1000*2 + 1000*1 + 1000*2 = 5000 node-s; a 10 s pause per change at the new size + 1 s lost work
+    costs = {"join": EventCost(10, 0, "t"), "kill_notice": EventCost(10, 1, "t"), "kill_no_notice": EventCost(50, 5, "t")}
+    assert elastic_goodput(tr, costs, 1.0) == pytest.approx((5000 - 10 * 1 - 1 * 2 - 10 * 2) / 5000)
+    assert elastic_goodput(tr, costs, 0.0) == pytest.approx((5000 - 50 * 1 - 5 * 2 - 10 * 2) / 5000)
+    # restart: 100 s to restart; checkpoints every 300 s -> 1000 s into the run 100 s are lost (x2 nodes),
+    # then resume at 1100, next change at 2000: 900 s later, 0 s since the checkpoint at 2000 (x1 node)
+    got = restart_goodput(tr, EventCost(100, 0, "t"), 300)
+    assert got == pytest.approx((5000 - 100 * 2 - 0 * 1 - 100 * 1 - 100 * 2) / 5000)
+    p = project(tr, costs, EventCost(100, 0, "t"), checkpoint_interval_s=300, notice_fraction=1.0).to_json()
+    assert p["changes"] == 2 and set(p["systems"]) == {"elasticyolo", "checkpoint-restart"}
+    assert p["systems"]["checkpoint-restart"]["ratio_vs_baseline"] == 1.0
+    assert "elasticyolo.join" in p["costs_used"]
+
+
+def test_projection_charges_a_joiners_start_up() -> None:
+    tr = parse_trace("0,1\n0,2\n1000000,1\n2000000,2\n3000000,2\n", "p.csv")
+    zero = EventCost(0.0, 0.0, "t")
+    slow_join = {"join": EventCost(0.0, 0.0, "t", ready_s=30.0), "kill_notice": zero, "kill_no_notice": zero}
+    assert elastic_goodput(tr, slow_join, 1.0) == pytest.approx((5000 - 30 * 1) / 5000)
+
+
+def test_replay_side_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, elasticyolo.commands.chaos, elasticyolo.chaos.replay, elasticyolo.chaos.runner, "
+            "elasticyolo.chaos.plot\nsys.exit(1 if 'torch' in sys.modules or 'ultralytics' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_stretch_rates_skip_the_steps_after_a_change() -> None:
+    from elasticyolo.chaos.measure import stretch_rates
+
+    ev = [_step(float(i), i, 0, 1, [i]) for i in range(1, 9)]  # world 1: one sample per second
+    ev += [_step(9.0 + 0.5 * i, 9 + i, r, 2, [20 + 2 * i + r]) for i in range(8) for r in (0, 1)]  # 4 samples/s
+    got = stretch_rates(ev, 0.0, 100.0)
+    assert got[1] == pytest.approx(1.0) and got[2] == pytest.approx(4.0)
