@@ -5,16 +5,21 @@ Where a node's price comes from (first that applies; the node record says which,
 1. `--price-per-hour` (agent flag, `price_per_hour` in agent.yaml, `ELASTICYOLO_PRICE_PER_HOUR`):
    what this VM costs, as the operator knows it (e.g. the spot price it was bought at).
 2. The price table (`--price-table FILE`, YAML `instance_type: {spot: USD/h, on_demand: USD/h}`)
-   for the node's `--instance-type`: the spot price for a preemptible node, else on-demand.
-   The cloud's metadata never states a price (AWS IMDS, GCP and Azure metadata give the
-   instance type and whether it is spot, not its price); the table is how an operator supplies it.
+   for the node's instance type: the spot price for a preemptible node, else on-demand. The
+   instance type is `--instance-type`, else what the cloud's metadata states when a spot provider
+   is set (AWS IMDS `instance-type`, GCP `machine-type`, Azure `vmSize`; the record's
+   `instance_type_source` says which). The metadata never states a price, only the type; the
+   table is how an operator supplies the prices.
 The on-demand equivalent (for savings): `--on-demand-price-per-hour`, else the table's on_demand,
 else the node's own price when the node is not preemptible.
 
 Arithmetic (what `status --json` shows under "cost" and "goodput", and the agent's /metrics):
 - a node's spend = price_per_hour x (now - started_at) / 3600, started_at = when the agent
   registered the node (its lease), billed per second while registered;
-- spent = sum over registered nodes; on_demand = the same with on-demand prices; savings = on_demand - spent;
+- spent = sum over registered nodes, plus every departed node (preempted, killed, left) from its
+  billing record (agent/billing.py): price x (last_seen - started_at), last_seen refreshed every
+  10 s while it ran, so a vanished node is billed at most 10 s short; on_demand = the same with
+  on-demand prices; savings = on_demand - spent;
 - burn_per_hour = sum of the registered nodes' prices;
 - goodput = samples/s trained (the progress record's windowed rate) / (steady samples/s per
   worker x the slots of the registered nodes); steady = the best per-worker rate rank 0 measured
@@ -86,34 +91,48 @@ def node_spend(price_per_hour: float | None, started_at: float | None, now: floa
     return price_per_hour * max(0.0, now - started_at) / 3600.0
 
 
-def job_cost(nodes: Sequence[Mapping[str, Any]], now: float) -> dict[str, Any]:
-    """Cost of the registered nodes so far (see the module doc). Nodes without a price are counted
-    in `unpriced_nodes` and left out of the sums."""
+def _run_id(node_id: Any, started_at: Any) -> tuple[str, int]:
+    """One agent run: its node and start (ms, as the billing key has it)."""
+    return str(node_id), int(float(started_at or 0) * 1000)
+
+
+def job_cost(nodes: Sequence[Mapping[str, Any]], now: float,
+             billing: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """Cost so far (see the module doc): registered nodes up to `now`, departed ones (billing
+    records of runs no longer registered) up to their `last_seen`. Registered nodes without a
+    price are counted in `unpriced_nodes` and left out of the sums."""
     spent = on_demand = burn = 0.0
-    priced = unpriced = 0
+    priced = unpriced = departed = 0
     od_complete = True
-    for n in nodes:
-        s = node_spend(n.get("price_per_hour"), n.get("started_at"), now)
+    registered = {_run_id(n.get("id", n.get("node_id")), n.get("started_at")) for n in nodes}
+    bills = [(n, now, True) for n in nodes] + [
+        (b, float(b.get("last_seen") or 0), False) for b in billing
+        if _run_id(b.get("node_id"), b.get("started_at")) not in registered]
+    for n, until, live in bills:
+        s = node_spend(n.get("price_per_hour"), n.get("started_at"), until)
         if s is None:
-            unpriced += 1
+            unpriced += live
             continue
-        priced += 1
+        if live:
+            priced += 1
+            burn += float(n["price_per_hour"])
+        else:
+            departed += 1
         spent += s
-        burn += float(n["price_per_hour"])
-        od = node_spend(n.get("on_demand_per_hour"), n.get("started_at"), now)
+        od = node_spend(n.get("on_demand_per_hour"), n.get("started_at"), until)
         if od is None:
             od_complete = False
         else:
             on_demand += od
-    if not priced:
+    if not priced and not departed:
         return {"spent_usd": None, "on_demand_usd": None, "savings_usd": None, "burn_usd_per_hour": None,
-                "priced_nodes": 0, "unpriced_nodes": unpriced}
+                "priced_nodes": 0, "departed_nodes": 0, "unpriced_nodes": unpriced}
     return {
         "spent_usd": round(spent, 6),
         "on_demand_usd": round(on_demand, 6) if od_complete else None,
         "savings_usd": round(on_demand - spent, 6) if od_complete else None,
         "burn_usd_per_hour": round(burn, 6),
-        "priced_nodes": priced, "unpriced_nodes": unpriced,
+        "priced_nodes": priced, "departed_nodes": departed, "unpriced_nodes": unpriced,
     }
 
 

@@ -45,6 +45,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     ranges.append({"request_range": {"key": b64(keys.events), "range_end": b64(prefix_range_end(keys.events)),
                                      "limit": EVENTS_SCANNED, "sort_order": "DESCEND", "sort_target": "KEY"}})
     ranges.append({"request_range": {"key": b64(keys.resume)}})
+    ranges.append({"request_range": {"key": b64(keys.billing), "range_end": b64(prefix_range_end(keys.billing))}})
     result = client.txn([], ranges, [])
     responses = result.get("responses") or []
     values: dict[str, tuple[Any, int] | None] = {}
@@ -63,6 +64,9 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     resume_kvs = (responses[len(_SINGLE_KEYS) + 2].get("response_range", {}).get("kvs") or []
                   if len(responses) > len(_SINGLE_KEYS) + 2 else [])
     last_resume = _json(_unb64(resume_kvs[0].get("value"))) if resume_kvs else None
+    billing = [b for kv in (responses[len(_SINGLE_KEYS) + 3].get("response_range", {}).get("kvs") or []
+                            if len(responses) > len(_SINGLE_KEYS) + 3 else [])
+               if isinstance(b := _json(_unb64(kv.get("value"))), dict)]
 
     leader_v = values["leader"]
     leader_id = leader_v[0].get("node_id") if leader_v and isinstance(leader_v[0], dict) else None
@@ -114,7 +118,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
             node["lease_ttl_s"] = ttls.get(lease)
 
     world_size = world.get("world_size", progress.get("world_size"))
-    job_cost = cost.job_cost(nodes, now)
+    job_cost = cost.job_cost(nodes, now, billing)
     steady = progress.get("steady_samples_s_per_worker")
     paid_slots = sum(int(n["slots"] or 0) for n in nodes if n["price_per_hour"] is not None) or \
         sum(int(n["slots"] or 0) for n in nodes)
@@ -265,6 +269,8 @@ def cost_text(view: dict[str, Any]) -> str:
         text = (f"COST {_usd(c['spent_usd'])} spent  ON-DEMAND {_usd(c.get('on_demand_usd'))}  "
                 f"SAVED {_usd(c.get('savings_usd'))}  BURN {_usd(c.get('burn_usd_per_hour'))}/h  "
                 f"PER EPOCH {_usd(c.get('usd_per_epoch'))}")
+        if c.get("departed_nodes"):
+            text += f"  (incl. {c['departed_nodes']} departed)"
         if c.get("unpriced_nodes"):
             text += f"  ({c['unpriced_nodes']} unpriced)"
     ratio = g.get("ratio")

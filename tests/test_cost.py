@@ -17,6 +17,7 @@ from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.errors import UserError
 from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, nodes_in_etcd
+from elasticyolo.testing.metadata_server import MetadataServer
 from elasticyolo.testing.servers import EtcdCluster, free_port
 from elasticyolo.testing.wait import wait_for
 
@@ -50,7 +51,18 @@ def test_cost_arithmetic() -> None:
              {"price_per_hour": None, "started_at": now - 60, "slots": 1}]
     c = cost.job_cost(nodes, now)
     assert c == {"spent_usd": 0.72, "on_demand_usd": 2.4, "savings_usd": 1.68, "burn_usd_per_hour": 1.08,
-                 "priced_nodes": 2, "unpriced_nodes": 1}
+                 "priced_nodes": 2, "departed_nodes": 0, "unpriced_nodes": 1}
+    # Departed nodes stay billed from their billing records, up to when they were last seen; a
+    # registered node's own record (same node and start) is not counted twice.
+    billing = [{"node_id": "gone", "started_at": now - 7200, "last_seen": now - 3600, "price_per_hour": 0.5,
+                "on_demand_per_hour": 1.5},
+               {"node_id": "a", "started_at": now - 3600, "last_seen": now - 10, "price_per_hour": 0.36,
+                "on_demand_per_hour": 1.2}]
+    nodes[0]["id"] = "a"
+    with_departed = cost.job_cost(nodes, now, billing)
+    assert with_departed == {"spent_usd": 1.22, "on_demand_usd": 3.9, "savings_usd": 2.68, "burn_usd_per_hour": 1.08,
+                             "priced_nodes": 2, "departed_nodes": 1, "unpriced_nodes": 1}
+    assert cost.job_cost([], now, billing[:1])["spent_usd"] == 0.5  # every node gone: still billed
     assert cost.goodput(90.0, 40.0, 3) == 0.75 and cost.goodput(None, 40.0, 3) is None
     assert cost.usd_per_epoch(0.72, 2.5) == 0.288
     line = cost.summary_line("j", c, 2.5)
@@ -143,3 +155,43 @@ def test_live_cost_and_goodput_in_status_and_metrics(etcd_server: EtcdCluster, j
     out = subprocess.run([ELASTICYOLO, "status", "--etcd", ep, "--job", job_name], capture_output=True, text=True,
                          timeout=30).stdout
     assert f"job ended: {ev['summary']}" in out, out
+
+
+def test_departed_node_stays_billed_and_type_from_metadata(etcd_server: EtcdCluster, job_name: str, tmp_path: Path,
+                                                           agents: list[AgentProcess]) -> None:
+    """A preempted node's spend does not vanish with its lease; a node with no --instance-type is
+    priced by the type the cloud's metadata states (AWS IMDSv2 here, on loopback)."""
+    ep = etcd_server.endpoints
+    e = EtcdClient(ep)
+    table = tmp_path / "prices.yaml"
+    table.write_text("p3.2xlarge: {spot: 0.918, on_demand: 3.06}\n")
+    with MetadataServer() as imds:
+        agents.append(AgentProcess(ep, job_name, "stay", log_dir=tmp_path, extra=["--price-per-hour", "0.36"]).start())
+        agents.append(AgentProcess(ep, job_name, "spot", log_dir=tmp_path, extra=[
+            "--price-table", str(table), "--spot-provider", "aws", "--metadata-url", imds.url]).start())
+        recs = wait_for(lambda: (lambda n: n if {"stay", "spot"} <= set(n) else None)(nodes_in_etcd(e, job_name)),
+                        20, "both agents registered")
+        spot = recs["spot"]
+        assert (spot["instance_type"], spot["instance_type_source"]) == ("p3.2xlarge", "metadata:aws")
+        assert (spot["price_per_hour"], spot["on_demand_per_hour"], spot["price_source"]) == \
+            (0.918, 3.06, "table:prices.yaml")
+        billing_key = JobKeys(job_name).billing_entry("spot", spot["started_at"])
+        wait_for(lambda: e.get(billing_key), 20, "the spot node's billing record")
+        agents[1].kill()  # preempted: no clean exit
+        wait_for(lambda: "spot" not in nodes_in_etcd(e, job_name), 30, "the killed node's lease expired")
+
+    r = subprocess.run([ELASTICYOLO, "status", "--etcd", ep, "--job", job_name, "--json"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    view = json.loads(r.stdout)
+    bill = json.loads(e.get(billing_key)[0])
+    assert bill["ended"] is False and bill["last_seen"] > spot["started_at"]
+    stay = {n["id"]: n for n in view["nodes"]}["stay"]
+    departed = 0.918 * (bill["last_seen"] - spot["started_at"]) / 3600
+    c = view["cost"]
+    assert (c["priced_nodes"], c["departed_nodes"]) == (1, 1)
+    assert c["spent_usd"] == pytest.approx(stay["spent_usd"] + departed, abs=2e-6)
+    assert c["burn_usd_per_hour"] == pytest.approx(0.36)  # only the live node burns
+    text = subprocess.run([ELASTICYOLO, "status", "--etcd", ep, "--job", job_name], capture_output=True,
+                          text=True, timeout=30).stdout
+    assert "(incl. 1 departed)" in text, text

@@ -75,3 +75,16 @@ def test_server_as_a_process_driven_over_control_endpoints() -> None:
             assert ev["EventType"] == "Preempt"
         finally:
             w.stop()
+
+
+@pytest.mark.parametrize("provider,itype", [("aws", "p3.2xlarge"), ("gcp", "n1-standard-8"),
+                                            ("azure", "Standard_NC6s_v3")])
+def test_instance_type_from_metadata(provider: str, itype: str) -> None:
+    """What prices a node by the price table when no --instance-type is given; a transient
+    metadata failure is retried, a source that cannot say gives None."""
+    with MetadataServer() as srv:
+        srv.fail_next(2, status=503)
+        assert make_watcher(provider, srv.url).instance_type(within_s=5) == itype
+    assert make_watcher("none").instance_type() is None
+    with MetadataServer(providers=()) as mute:  # answers 404 to every API
+        assert make_watcher(provider, mute.url).instance_type(within_s=2) is None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from elasticyolo import __version__
+from elasticyolo.agent.billing import BillingLedger
 from elasticyolo.agent.job import JobView
 from elasticyolo.agent.metrics import AgentMetrics
 from elasticyolo.agent.plugin import AgentPlugin
@@ -82,6 +83,7 @@ class Agent:
                                              on_lease_lost=self.wake, on_renew=self.metrics.observe_renew,
                                              keepalive_client=self.new_client())
         self.election = LeaderElection(self.client, self.keys, self.registration, handover=cfg.handover)
+        self.billing = BillingLedger(self.client, self.keys, self.record)
         self.tick_s = min(1.0, max(0.1, cfg.ttl / 4))
         if self.notifier.watchdog_s:
             self.tick_s = min(self.tick_s, self.notifier.watchdog_s / 3)
@@ -242,6 +244,8 @@ class Agent:
             if self._record_dirty and self.registration.lease_valid():
                 self._record_dirty = False
                 self._sync_record()
+            if member and self.billing.due(time.monotonic()):
+                self.billing.write()
             self._call_plugins("on_tick")
         except UnavailableError as exc:
             self.metrics.etcd_errors.inc()
@@ -489,6 +493,11 @@ class Agent:
             self._watch_cancel()
         if self.state is NodeState.FAILED:
             self.log.error("agent failed", reason=self._fatal)
+        if self.billing.priced and self.registration.lease_id:
+            try:
+                self.billing.write(ended=True)  # billed up to this moment
+            except (UnavailableError, EtcdError) as exc:
+                self.log.warning("could not close the billing record", error=str(exc))
         try:
             revoked = self.registration.leave()
             self.log.info("left the cluster", lease_revoked=revoked, state=self.state.value)

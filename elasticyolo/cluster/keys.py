@@ -66,6 +66,7 @@ class JobKeys:
         self.quiesce = self.prefix + "quiesce"
         self.quiesce_ack = self.prefix + "quiesce_ack"
         self.rdzv = self.prefix + "rdzv/"
+        self.billing = self.prefix + "billing/"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
@@ -79,6 +80,11 @@ class JobKeys:
 
     def exit(self, request_id: str) -> str:
         return self.exits + request_id
+
+    def billing_entry(self, node_id: str, started_at: float) -> str:
+        """One agent run's billing record (`billing/<node-id>-<started ms>`); not leased: it
+        outlives the node, so a preempted node's spend stays counted."""
+        return f"{self.billing}{node_id}-{int(started_at * 1000)}"
 
     def event(self, at_ms: int, node_id: str, seq: int = 0) -> str:
         # Zero-padded milliseconds keep events in time order under a prefix range read.

@@ -90,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
     from elasticyolo.data.staging_agent import DataStagingHook  # s3:// datasets, before slots are offered
 
     spot = SpotDrain.from_config(cfg)  # a bad --metadata-url fails here, before anything starts
+    itype_source = "config" if cfg.instance_type else None
+    if cfg.instance_type is None and (itype := spot.watcher.instance_type()):
+        # Prices by the price table need the type; the cloud's metadata states it (cost.py).
+        cfg, itype_source = cfg.model_copy(update={"instance_type": itype}), f"metadata:{spot.watcher.provider}"
     agent = Agent(cfg, plugins=[spot, DataStagingHook(cfg), EngineDispatch()])
+    if itype_source:
+        agent.set_record_field("instance_type_source", itype_source)
     agent.signal_sink = spot.watcher.inject_signal
     return agent.run()

@@ -12,6 +12,7 @@ DEFAULT_URL = "http://169.254.169.254"
 TOKEN_PATH = "/latest/api/token"
 ACTION_PATH = "/latest/meta-data/spot/instance-action"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+INSTANCE_TYPE_PATH = "/latest/meta-data/instance-type"
 _ACTIONS = {"terminate", "stop", "hibernate"}
 
 
@@ -63,6 +64,10 @@ class AwsSource(HttpSource):
                 return resp.status_code, resp.text
             raise self.fail(resp, f"GET {path}")
         raise MetadataError(f"GET {path}: token rejected twice")
+
+    def instance_type(self) -> str | None:
+        status, body = self._get(INSTANCE_TYPE_PATH)
+        return (body.strip() or None) if status == 200 else None
 
     # -- checks --------------------------------------------------------------------------------
     def _check(self) -> list[Notice]:

@@ -12,6 +12,7 @@ DEFAULT_URL = "http://169.254.169.254"
 API_VERSION = "2020-07-01"
 EVENTS_PATH = "/metadata/scheduledevents"
 NAME_PATH = "/metadata/instance/compute/name"
+VM_SIZE_PATH = "/metadata/instance/compute/vmSize"
 HEADERS = {"Metadata": "true"}
 # EventType -> (kind, drain). Freeze pauses the VM for seconds: at risk only.
 _EVENT_KINDS: dict[str, tuple[str, bool]] = {
@@ -40,6 +41,14 @@ class AzureSource(HttpSource):
         self.first_call_timeout_s = max(first_call_timeout_s, timeout_s)
         self._answered_once = False
         self._name_lookup_done = instance_name is not None
+
+    def instance_type(self) -> str | None:
+        resp = self.request("GET", VM_SIZE_PATH, headers=HEADERS, params={"api-version": "2021-02-01", "format": "text"})
+        if 400 <= resp.status_code < 500:
+            return None
+        if resp.status_code != 200:
+            raise self.fail(resp, f"GET {VM_SIZE_PATH}")
+        return resp.text.strip() or None
 
     def _resolve_name(self) -> None:
         """Learn this VM's name so events for other VMs in the same set are ignored."""

@@ -50,6 +50,11 @@ class NoticeSource(abc.ABC):
         """Tell the provider we are done with the notice (only Azure has this). True on success."""
         return True
 
+    def instance_type(self) -> str | None:
+        """The VM's instance type as the provider's metadata states it (None: this source has no
+        metadata service, or it does not say). Raises MetadataError on a transient failure."""
+        return None
+
     def close(self) -> None:
         """Release resources; may be called from another thread to end a blocking poll early."""
 

@@ -11,6 +11,7 @@ from elasticyolo.spot.notice import GCP_MAINTENANCE_NOTICE_S, GCP_NOTICE_S, Noti
 DEFAULT_URL = "http://metadata.google.internal"
 PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
 MAINTENANCE_PATH = "/computeMetadata/v1/instance/maintenance-event"
+MACHINE_TYPE_PATH = "/computeMetadata/v1/instance/machine-type"
 HEADERS = {"Metadata-Flavor": "Google"}
 
 
@@ -37,6 +38,15 @@ class GcpSource(HttpSource):
         self._etag: str | None = None
         self._last_value: str | None = None
         self._repoll_now = False
+
+    def instance_type(self) -> str | None:
+        resp = self.request("GET", MACHINE_TYPE_PATH, headers=HEADERS)
+        if resp.status_code == 404:
+            return None
+        if resp.status_code != 200:
+            raise self.fail(resp, f"GET {MACHINE_TYPE_PATH}")
+        # "projects/<number>/machineTypes/<type>": the table is keyed by the type alone.
+        return resp.text.strip().rsplit("/", 1)[-1] or None
 
     def next_delay(self, elapsed: float) -> float:
         # Chain long-polls back to back (they do the waiting), unless the server did not block.

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable, Iterable
 
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from elasticyolo.log import get_logger
-from elasticyolo.spot.base import NoticeSource
+from elasticyolo.spot.base import MetadataError, NoticeSource
 from elasticyolo.spot.local import DEFAULT_SIGNAL_NOTICE_S, signal_notice
 from elasticyolo.spot.notice import Notice
 
@@ -134,6 +136,21 @@ class NoticeWatcher:
         with self._lock:
             source = self._origin.get(notice.key)
         return source.acknowledge(notice) if source is not None else True
+
+    def instance_type(self, within_s: float = 10.0) -> str | None:
+        """The instance type the cloud's metadata states (first source that says), asked once at
+        agent start; transient failures are retried for `within_s`, then None (logged)."""
+        ask = retry(retry=retry_if_exception_type(MetadataError), stop=stop_after_delay(within_s),
+                    wait=wait_exponential(multiplier=0.2, max=2.0), reraise=True)
+        for source in self.sources:
+            try:
+                itype = ask(source.instance_type)()
+            except MetadataError as exc:
+                self.log.warning("instance type: metadata did not answer", source=source.name, error=str(exc)[:200])
+                continue
+            if itype:
+                return itype
+        return None
 
     def status(self) -> dict[str, Any]:
         """For `elasticyolo status`: provider, per-source health and notices so far."""

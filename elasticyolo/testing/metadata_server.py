@@ -69,6 +69,8 @@ class _State:
         self.acknowledged: list[str] = []
         self.faults: list[_Fault] = []
         self.log: list[dict[str, Any]] = []
+        # What each API states as this VM's type (the price table's key).
+        self.instance_type = {"aws": "p3.2xlarge", "gcp": "n1-standard-8", "azure": "Standard_NC6s_v3"}
 
     def gcp_etag(self, key: str) -> str:
         return f"{key}-{self.gcp_version[key]}"
@@ -322,6 +324,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, rebalance) if rebalance else self._send(404, "not found\n")
         if path == "/latest/meta-data/instance-id":
             return self._send(200, "i-0123456789abcdef0")
+        if path == "/latest/meta-data/instance-type":
+            return self._send(200, st.instance_type["aws"])
         self._send(404, "not found\n")
 
     # -- GCP -----------------------------------------------------------------------------------
@@ -332,6 +336,8 @@ class _Handler(BaseHTTPRequestHandler):
         key = path.removeprefix("/computeMetadata/v1/instance/")
         if path in ("/computeMetadata/v1/instance/name", "/computeMetadata/v1/instance/id"):
             return self._send(200, "elasticyolo-test-vm" if key == "name" else "1234567890", headers=hdr)
+        if key == "machine-type":
+            return self._send(200, f"projects/1234567890/machineTypes/{self.state.instance_type['gcp']}", headers=hdr)
         if key not in ("preempted", "maintenance-event"):
             return self._send(404, "not found\n", headers=hdr)
         st = self.state
@@ -354,6 +360,8 @@ class _Handler(BaseHTTPRequestHandler):
         st = self.state
         if path == "/metadata/instance/compute/name":
             return self._send(200, st.azure_vm_name)
+        if path == "/metadata/instance/compute/vmSize":
+            return self._send(200, st.instance_type["azure"])
         if path == "/metadata/instance":
             return self._send(200, {"compute": {"name": st.azure_vm_name, "vmId": "00000000-0000-0000-0000-000000000000",
                                                 "location": "local"}})
