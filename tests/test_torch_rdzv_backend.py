@@ -256,3 +256,36 @@ def test_expelled_node_is_told_to_rejoin(etcd_server, job_name: str) -> None:
     finally:
         for h in handlers:
             h.shutdown()
+
+
+def test_store_wait_on_a_dead_peer_is_abandoned_and_the_rendezvous_stays_open(etcd_server, job_name: str) -> None:
+    """A node killed right after its round formed never writes its keys (torch's rank assignment
+    waits for every agent's role_info). The wait ends once the peer is seen dead, well before the
+    read timeout, and the failing agent's shutdown leaves the rendezvous open: closing it would
+    end the job on every node (as the stock handler does)."""
+    params = _params(etcd_server.endpoints, job_name, read_timeout=60)
+    backend = EtcdRendezvousBackend(etcd_server.endpoints, job_name)
+    backend.clear()
+    handlers = [create_handler(params) for _ in range(2)]
+    try:
+        assert all(not isinstance(r, Exception) for r in _rendezvous_all(handlers))
+        round_ = handlers[0]._joined_round
+        handlers[1]._stop_heartbeats()  # killed: no more heartbeats, no keys
+        key = f"torch.rendezvous.{job_name}.{round_}/torchelastic/role_info/1"
+        t0 = time.monotonic()
+        with pytest.raises(LookupError, match="gave up waiting"):
+            handlers[0]._store.get(key)
+        assert time.monotonic() - t0 < 15  # heartbeat expiry here: 3 s; read timeout: 60 s
+        try:
+            raise LookupError("what the agent raised")
+        except LookupError:
+            assert handlers[0].shutdown() is False  # an error exit: not closed
+        assert pickle.loads(backend.get_state()[0]).closed is False  # type: ignore[index]
+        # A live peer's key is still waited for as usual.
+        handlers[0]._store.set(f"torch.rendezvous.{job_name}.{round_ + 5}/k", b"v")
+        assert handlers[0]._store.get(f"torch.rendezvous.{job_name}.{round_ + 5}/k") == b"v"
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()
+    assert create_handler(params).shutdown() is True  # a clean end closes it
+    assert pickle.loads(backend.get_state()[0]).closed is True  # type: ignore[index]

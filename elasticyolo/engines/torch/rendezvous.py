@@ -19,10 +19,13 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import pickle
+import re
+import sys
 import time
 import zlib
-from datetime import timedelta
-from typing import Any, Protocol, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Protocol, Sequence
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
@@ -199,11 +202,15 @@ class EtcdStore(dist.Store):
     state does not live on any one node, so losing any node loses no store."""
 
     _POLL_MIN, _POLL_MAX = 0.01, 0.2
+    _ABORT_CHECK_S = 0.5
 
     def __init__(self, client: KV, prefix: str, timeout: timedelta | None = None) -> None:
         super().__init__()  # required by the pybind trampoline
         self.client = client
         self.prefix = prefix.rstrip("/") + "/"
+        # Set by the handler: for a key being waited on, why the wait can never end (a peer of
+        # its round is dead or the round is over), else None. Checked every _ABORT_CHECK_S.
+        self.abort_check: Callable[[str], str | None] | None = None
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -261,14 +268,21 @@ class EtcdStore(dist.Store):
 
     def _wait_for(self, keys: list[str], timeout: timedelta) -> dict[str, bytes] | None:
         deadline = time.monotonic() + timeout.total_seconds()
+        next_check = time.monotonic() + self._ABORT_CHECK_S
         delay = self._POLL_MIN
         full = [self._k(k) for k in keys]
         while True:
             found = EtcdRendezvousBackend._call(self.client.get_many, full)
             if all(found.get(k) is not None for k in full):
                 return {k: found[fk][0] for k, fk in zip(keys, full)}  # type: ignore[index]
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return None
+            if self.abort_check is not None and now >= next_check:
+                next_check = now + self._ABORT_CHECK_S
+                reason = self.abort_check(keys[0])
+                if reason is not None:
+                    raise LookupError(f"gave up waiting for {keys} in the etcd store: {reason}")
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self._POLL_MAX)
 
@@ -285,6 +299,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     same when that variable is set. Old rounds' store keys are deleted as we go.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._etcd_backend: EtcdRendezvousBackend | None = None  # set by create_handler
+        self._round_participants: dict[int, frozenset[Any]] = {}
+
     def next_rendezvous(self) -> RendezvousInfo:
         # Private attrs of torch>=2.4's handler; the workers of the previous round are already
         # stopped when the agent asks for the next one, so dropping the old server is safe.
@@ -293,11 +312,63 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         info = super().next_rendezvous()
         round_ = self._state_holder.state.round
         self._joined_round = round_
+        # Who formed this round (hopeless_wait: a store wait on one who is gone is abandoned).
+        self._round_participants[round_] = frozenset(self._state_holder.state.participants)
         log.info("rendezvous round complete", run_id=self._settings.run_id, round=round_,
                  rank=info.rank, world_size=info.world_size)
         if info.rank == 0 and round_ >= 2:
             self._forget_round(round_ - 2)
         return info
+
+    def shutdown(self) -> bool:
+        """torch's launcher calls this in a `finally` on every exit but a signal, and closing the
+        rendezvous ends the job on every node (they exit as if it had finished). Only a clean end
+        (no exception in flight) closes it; after an error (a store wait on a dead peer given up,
+        etcd unreachable) this node just stops its heartbeats and leaves the rendezvous open, and
+        the node plug-in restarts its launcher, which joins the next round."""
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            log.warning("torch agent failed; leaving the rendezvous open for the other nodes",
+                        run_id=self._settings.run_id, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            self._stop_heartbeats()
+            return False
+        return super().shutdown()
+
+    _ROUND_KEY = re.compile(r"^torch\.rendezvous\.(?P<run_id>.+)\.(?P<round>\d+)/")
+
+    def hopeless_wait(self, key: str) -> str | None:
+        """Why a store wait on `key` (a round's key, `torch.rendezvous.<run>.<round>/...`) can
+        never end, or None. A peer killed right after the round formed never writes its keys
+        (torch's rank assignment waits for every agent's `role_info`); torch would wait out the
+        read timeout and then close the rendezvous for everyone. Seen here: the round is over,
+        a participant's heartbeat is as old as torch's own expiry, or torch's sanitizer already
+        removed a participant of the round."""
+        m = self._ROUND_KEY.match(key)
+        if m is None or m["run_id"] != self._settings.run_id or self._etcd_backend is None:
+            return None
+        round_ = int(m["round"])
+        try:
+            found = self._etcd_backend.get_state()
+        except Exception as exc:  # noqa: BLE001 - an etcd hiccup is no reason to give up
+            log.debug("rendezvous state unreadable while waiting", error=str(exc))
+            return None
+        if found is None:
+            return "the rendezvous state is gone"
+        state = pickle.loads(found[0])
+        if state.closed:
+            return None  # the job is ending; the agent's own flow handles it
+        if state.round != round_:
+            return f"round {round_} is over (now round {state.round})"
+        participants = frozenset(state.participants)
+        first = self._round_participants.setdefault(round_, participants)
+        if not first <= participants:
+            return f"{len(first - participants)} participant(s) of round {round_} were removed as dead"
+        expiry = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        now = datetime.now(timezone.utc)
+        dead = [n for n in participants if now - state.last_heartbeats.get(n, now) > expiry]
+        if dead:
+            return f"participant {dead[0]} has sent no heartbeat for {expiry.total_seconds():g} s"
+        return None
 
     def num_nodes_waiting(self) -> int:
         """Also > 0 when this node is no longer in the round it joined.
@@ -386,8 +457,11 @@ def create_handler(params: RendezvousParameters, client: KV | None = None) -> Et
     backend, store = create_backend(params, client)
     timeout = RendezvousTimeout(_timeout(params, "join"), _timeout(params, "last_call"),
                                 _timeout(params, "close"), _timeout(params, "heartbeat"))
-    return EtcdRendezvousHandler.from_backend(
+    handler = EtcdRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
         keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
     )
+    handler._etcd_backend = backend
+    store.abort_check = handler.hopeless_wait
+    return handler
