@@ -8,8 +8,8 @@ a whole interval to land inside the segment that caused it, and the segment wait
 one before the next segment starts (that wait is reported, and counted against "with" if it is
 not zero). So each side pays for its own uploads, and machine noise hits both alike.
 
-Checkpoints go to a real S3 API (moto_server on 127.0.0.1, at nice 19 since in production S3 is
-not on the training node) through the production CheckpointManager: the training process takes
+Checkpoints go to a real S3 API (moto_server on 127.0.0.1, at nice 19 and SCHED_IDLE since in
+production S3 is not on the training node) through the production CheckpointManager: the training process takes
 the blocking snapshot, the uploader process serializes, hashes and uploads. Also prints the
 blocking snapshot time per checkpoint against the background upload time.
 
@@ -70,6 +70,7 @@ def main() -> None:
         # (snapshot, serialize, hash, send).
         assert s3.proc is not None
         os.setpriority(os.PRIO_PROCESS, s3.proc.pid, 19)
+        os.sched_setscheduler(s3.proc.pid, os.SCHED_IDLE, os.sched_param(0))
         os.environ.update(s3.env())
         boto3.client("s3", endpoint_url=s3.endpoint_url).create_bucket(Bucket="bench")
         store = open_store("s3://bench/stall")
