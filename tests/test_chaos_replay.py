@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from trace_data import REAL_TRACE
+
 ELASTICYOLO = str(Path(sys.executable).with_name("elasticyolo"))
-TRACE_NAME = "shared/traces/aws-p3-32node-parcae.csv"
-TRACE = next((p / TRACE_NAME for p in Path(__file__).resolve().parents if (p / TRACE_NAME).exists()), None)
-needs_trace = pytest.mark.skipif(TRACE is None, reason=f"../{TRACE_NAME} not found above the repo")
+TRACE = REAL_TRACE
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found")
 
 
 @needs_trace

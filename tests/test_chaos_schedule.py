@@ -10,9 +10,9 @@ from elasticyolo.chaos.measure import committed_records, coverage_faults, execut
 from elasticyolo.chaos.projection import EventCost, elastic_goodput, project, restart_goodput
 from elasticyolo.chaos.schedule import plan_checkpoint_restart, plan_elastic, scale_count, timeline
 from elasticyolo.chaos.trace import TraceError, check_window, load_trace, parse_trace
+from trace_data import REAL_TRACE
 
-TRACE_NAME = "shared/traces/aws-p3-32node-parcae.csv"
-REAL = next((p / TRACE_NAME for p in Path(__file__).resolve().parents if (p / TRACE_NAME).exists()), Path(TRACE_NAME))
+REAL = REAL_TRACE
 SMALL = "0,1\n0,2\n0,3\n0,4\n600000,3\n1200000,2\n1200000,1\n1800000,2\n2400000,3\n3600000,4\n"
 
 
@@ -106,7 +106,7 @@ def test_checkpoint_restart_plan_restarts_a_fresh_world_per_change() -> None:
     assert len(names) == len(set(names))
 
 
-@pytest.mark.skipif(not REAL.exists(), reason="shared trace not present")
+@pytest.mark.skipif(not REAL.exists(), reason="the real trace is missing")
 def test_real_trace_windows() -> None:
     tr = load_trace(REAL)
     assert tr.max_count == 32 and round(tr.duration_s / 3600, 1) == 11.4

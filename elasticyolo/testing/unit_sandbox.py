@@ -109,9 +109,11 @@ def _syscall_groups() -> dict[str, list[str]]:
 
 # Inside the new mount namespace, as root: ProtectSystem=strict + StateDirectory/CacheDirectory +
 # PrivateTmp + ProtectKernelTunables, then drop to the service user and apply the syscall filter.
+# `keep`: paths under /tmp that stay visible through the private /tmp (a checkout, its venv and
+# the sandbox root when the repository itself lives in /tmp; on a VM the code is never there).
 _SETUP = r"""
 set -eu
-rw="$1"; shift
+rw="$1"; keep="$2"; shift 2
 for d in $rw; do mount --bind "$d" "$d"; done
 mounts=$(awk '{print $5}' /proc/self/mountinfo)
 for m in $mounts; do
@@ -121,10 +123,22 @@ for m in $mounts; do
   [ $skip = 1 ] || mount -o remount,bind,ro "$m"
 done
 mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys
+[ -z "$keep" ] || mount --rbind /tmp /var/tmp
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp
+for p in $keep; do
+  mkdir -p "$p" && mount --rbind "/var/tmp/${p#/tmp/}" "$p" && mount -o remount,bind,ro "$p"
+done
+[ -z "$keep" ] || umount -l /var/tmp
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /var/tmp
 exec "$@"
 """
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def kept_under_tmp(paths: list[Path]) -> list[str]:
+    """The outermost of `paths` that live under /tmp (the private /tmp would hide them)."""
+    under = sorted({str(p.resolve()) for p in paths if p.resolve().is_relative_to("/tmp")})
+    return [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
 
 
 class UnitSandbox:
@@ -206,8 +220,9 @@ class UnitSandbox:
         if self.seccomp and self.unit.values("SystemCallFilter"):
             inner += [SYSTEM_PYTHON, str(SECCOMP_EXEC), str(self.syscall_allowlist()), "--"]
         inner += ["/bin/sh", "-c", 'cd "$0" && exec "$@"', self.working_directory, *argv]
+        keep = " ".join(kept_under_tmp([REPO_ROOT, Path(sys.prefix), self.root]))
         return [shutil.which("unshare") or "unshare", "-m", "--propagation", "private", "--",
-                "/bin/sh", "-c", _SETUP, "sandbox", writable, *inner]
+                "/bin/sh", "-c", _SETUP, "sandbox", writable, keep, *inner]
 
     @staticmethod
     def available() -> str | None:

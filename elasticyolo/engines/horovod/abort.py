@@ -27,6 +27,7 @@ import socket
 from typing import Iterable
 
 ABORT = 0x40  # a bit beyond Horovod's HostUpdateResult flags (no_update 0, removed 1, added 2)
+_OPEN = ("ESTABLISHED", "CLOSE_WAIT")  # psutil.CONN_* values
 
 
 def _etcd_ports() -> set[int]:
@@ -49,7 +50,9 @@ def collective_connections(keep_local_ports: Iterable[int] = ()) -> list[int]:
     keep_local = set(keep_local_ports)
     fds = []
     for c in psutil.Process().net_connections(kind="tcp"):
-        if c.status != psutil.CONN_ESTABLISHED or c.fd is None or c.fd < 0 or not c.raddr:
+        # CLOSE_WAIT too: the dead peer's own connections (its FIN arrived, Gloo has not acted on
+        # it). Seen: a survivor that shut only its ESTABLISHED ones still waited out Gloo's timeout.
+        if c.status not in _OPEN or c.fd is None or c.fd < 0 or not c.raddr:
             continue
         if c.raddr.port in keep_remote or c.laddr.port in keep_local:
             continue
