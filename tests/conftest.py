@@ -9,6 +9,7 @@ from typing import Iterator
 import pytest
 
 from elasticyolo.testing.agent_cluster import AgentCluster
+from elasticyolo.testing.agents import AgentProcess
 from elasticyolo.testing.metadata_server import MetadataServer
 from elasticyolo.testing.servers import EtcdCluster, S3Server
 
@@ -62,3 +63,12 @@ def cluster(etcd_server: EtcdCluster, job_name: str, tmp_path: Path) -> Iterator
                      env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_SNAPSHOT_S": "2"})
     yield c
     c.stop()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[AgentProcess]]:
+    """Agent processes a test starts (append them); all stopped at the end."""
+    started: list[AgentProcess] = []
+    yield started
+    for a in started:
+        a.stop()

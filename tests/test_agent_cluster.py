@@ -13,7 +13,6 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -24,14 +23,6 @@ from elasticyolo.testing.servers import EtcdCluster, free_port
 from elasticyolo.testing.wait import wait_for
 
 TTL = 2
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for a in started:
-        a.stop()
 
 
 def start(agents: list[AgentProcess], endpoints: str, job: str, node_id: str, tmp: Path, *extra: str,

@@ -8,7 +8,6 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -67,14 +66,6 @@ def test_cost_arithmetic() -> None:
     assert cost.usd_per_epoch(0.72, 2.5) == 0.288
     line = cost.summary_line("j", c, 2.5)
     assert line.startswith("job j: spent $0.72, on-demand $2.40, saved $1.68, $0.2880/epoch over 2.5 epochs")
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for a in started:
-        a.stop()
 
 
 def test_live_cost_and_goodput_in_status_and_metrics(etcd_server: EtcdCluster, job_name: str, tmp_path: Path,

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from elasticyolo.errors import UserError
 
@@ -138,21 +138,28 @@ def _download(store: Any, args: argparse.Namespace) -> int:
             raise UserError(f"--best and {args.which!r} both given: pick one")
         return _download_best(store, args)
     m = catalog.find(store, args.job, args.which)
-    default_name = f"{args.job}-step{m.step}.pt"
-    out = Path(args.output) if args.output else Path(default_name)
+    try:
+        out = _write_atomically(args.output, f"{args.job}-step{m.step}.pt", lambda f: download_verified(store, m, f))
+    except CorruptCheckpoint as exc:
+        raise UserError(f"checkpoint {m.name} of job {args.job!r} is corrupt: {exc}") from None
+    print(f"{out}  step {m.step}  epoch {m.epoch}  {_human(m.size)}  sha256 {m.sha256[:16]}.. verified")
+    return 0
+
+
+def _write_atomically(output: str | None, default_name: str, write: Callable[[Any], None]) -> Path:
+    """`write(f)` into `output` (a file, a folder, or None: `default_name` here) through a hidden
+    `.part` file renamed into place, so a failed download never leaves a partial file."""
+    out = Path(output) if output else Path(default_name)
     if out.is_dir():
         out = out / default_name
     tmp = out.with_name(f".{out.name}.part")
     try:
         with open(tmp, "wb+") as f:
-            download_verified(store, m, f)
+            write(f)
         os.replace(tmp, out)
-    except CorruptCheckpoint as exc:
-        raise UserError(f"checkpoint {m.name} of job {args.job!r} is corrupt: {exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
-    print(f"{out}  step {m.step}  epoch {m.epoch}  {_human(m.size)}  sha256 {m.sha256[:16]}.. verified")
-    return 0
+    return out
 
 
 def _download_best(store: Any, args: argparse.Namespace) -> int:
@@ -164,20 +171,13 @@ def _download_best(store: Any, args: argparse.Namespace) -> int:
     if info is None:
         raise UserError(f"job {args.job!r} has no best.pt in {store.uri} (written at the first epoch end; "
                         f"`checkpoints download` gets the latest checkpoint)")
-    default_name = f"{args.job}-best.pt"
-    out = Path(args.output) if args.output else Path(default_name)
-    if out.is_dir():
-        out = out / default_name
-    tmp = out.with_name(f".{out.name}.part")
-    try:
-        with open(tmp, "wb+") as f:
-            store.download(key, f)
-            size = f.tell()
-        if size != info.size:
-            raise UserError(f"{store.uri}/{key}: got {size} bytes, the store lists {info.size}; try again")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    def fetch(f: Any) -> None:
+        store.download(key, f)
+        if f.tell() != info.size:
+            raise UserError(f"{store.uri}/{key}: got {f.tell()} bytes, the store lists {info.size}; try again")
+
+    out = _write_atomically(args.output, f"{args.job}-best.pt", fetch)
     print(f"{out}  best.pt of job {args.job}  {_human(info.size)}")
     return 0
 
