@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.errors import UserError  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
+from elasticyolo.testing.pty import run_on_pty  # noqa: E402
 from elasticyolo.train.core import TrainCore, quiet_ultralytics  # noqa: E402
 from elasticyolo.train.loop import TrainingLoop  # noqa: E402
 
@@ -80,29 +81,13 @@ def test_workers_default_as_ultralytics() -> None:
 def test_train_at_a_terminal_shows_a_progress_bar(tmp_path: Path) -> None:
     """`elasticyolo train` run the way a person runs it: stderr is a terminal (a pty), so the
     progress bar is drawn; loader processes on."""
-    import os
-    import subprocess
     import sys
 
     data = write_dataset(tmp_path / "d", SynthSpec(train=16, val=4, imgsz=64, classes=2))
-    master, slave = os.openpty()
     exe = Path(sys.executable).with_name("elasticyolo")
-    proc = subprocess.Popen([str(exe), "train", "model=yolov8n.yaml", f"data={data}", "epochs=2", "imgsz=64",
-                             "batch=8", "workers=2", "val=false"], stdin=slave, stdout=slave, stderr=slave,
-                            cwd=tmp_path, close_fds=True)
-    os.close(slave)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # the pty closed: the process exited
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(master)
-    assert proc.wait(300) == 0, out.decode(errors="replace")[-3000:]
-    text = out.decode(errors="replace")
+    rc, text = run_on_pty([str(exe), "train", "model=yolov8n.yaml", f"data={data}", "epochs=2", "imgsz=64",
+                           "batch=8", "workers=2", "val=false"], timeout=300, cwd=tmp_path)
+    assert rc == 0, text[-3000:]
     assert "epoch 2/2" in text and "32/32" in text and "done: epochs=2" in text, text[-3000:]
     # ... and leaves Ultralytics' run folder behind.
     assert "results saved to runs/train" in text

@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 import time
-from typing import Callable
 
 from elasticyolo.testing.agents import ELASTICYOLO
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.registry import NodeRecord
 from elasticyolo.status import collect, render_table
+from elasticyolo.testing.pty import run_on_pty
 from elasticyolo.testing.servers import EtcdCluster
 
 
@@ -109,57 +109,15 @@ def test_cli_paths_never_import_torch() -> None:
     assert r2.stdout.strip() == "[]", r2.stdout + r2.stderr
 
 
-def _pty_run(argv: list[str], until: Callable[[str], bool], timeout: float = 30,
-             interrupt: bool = False) -> tuple[int, str]:
-    """Run `argv` on a pseudo-terminal (as a person at a terminal does) until `until(output)`;
-    then, with `interrupt`, send Ctrl-C. Returns (exit status, everything it drew)."""
-    import os
-    import select
-    import signal
-
-    master, slave = os.openpty()
-    os.set_blocking(master, False)
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-                            env={**os.environ, "COLUMNS": "160", "LINES": "40", "TERM": "xterm-256color"})
-    os.close(slave)
-    out = b""
-    deadline = time.monotonic() + timeout
-    interrupted = False
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.1)
-            if ready:
-                try:
-                    chunk = os.read(master, 65536)
-                except OSError:  # the pty closed: the process exited
-                    break
-                if not chunk:
-                    break
-                out += chunk
-            if not interrupted and until(out.decode(errors="replace")):
-                if not interrupt:
-                    break
-                proc.send_signal(signal.SIGINT)
-                interrupted = True
-            if proc.poll() is not None and not ready:
-                break
-        return proc.wait(10), out.decode(errors="replace")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        os.close(master)
-
-
 def test_status_table_and_watch_on_a_terminal(etcd_server: EtcdCluster, job_name: str) -> None:
     e = EtcdClient(etcd_server.endpoints)
     seed(e, JobKeys(job_name))
     base = [ELASTICYOLO, "status", "--etcd", etcd_server.endpoints, "--job", job_name]
-    rc, text = _pty_run(base, until=lambda out: False)
+    rc, text = run_on_pty(base, until=lambda out: False)
     assert rc == 0 and "NODE" in text and "gpu-2" in text and "COST $" in text, text
     assert "\x1b[" in text  # a terminal gets colour
     # --watch redraws in place until Ctrl-C, then leaves the terminal as it was and exits 0.
-    rc, text = _pty_run(base + ["--watch", "--interval", "0.2"], interrupt=True,
+    rc, text = run_on_pty(base + ["--watch", "--interval", "0.2"], interrupt=True,
                         until=lambda out: out.count("every 0.2s") >= 3)
     assert rc == 0, text
     assert text.count("every 0.2s") >= 3 and "gpu-0" in text and "Traceback" not in text
