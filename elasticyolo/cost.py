@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from elasticyolo.errors import UserError
+from elasticyolo.yamlfile import read_yaml_mapping
 
 
 @dataclass(frozen=True)
@@ -45,17 +46,8 @@ class NodePrice:
 
 def load_price_table(path: str | Path) -> dict[str, dict[str, float]]:
     """`instance_type: {spot: USD/h, on_demand: USD/h}` (either key may be missing). One-line errors."""
-    import yaml
-
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"price table {p}: file not found") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"price table {p}: cannot read it: {str(exc).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"price table {p}: expected a mapping of instance_type: {{spot: USD, on_demand: USD}}")
+    raw = read_yaml_mapping(p, f"price table {p}", "a mapping of instance_type: {spot: USD, on_demand: USD}")
     table: dict[str, dict[str, float]] = {}
     for itype, prices in raw.items():
         if not isinstance(prices, dict) or not set(prices) <= {"spot", "on_demand"}:

@@ -245,18 +245,11 @@ UNSUPPORTED_ULTRALYTICS = {
 def cfg_pairs(path: str) -> list[str]:
     """The `key=value` words of an Ultralytics-style cfg YAML. Keys elasticyolo does not know are
     skipped when their value is Ultralytics' default (a copy of default.yaml works), else refused."""
-    import yaml
     from pathlib import Path
 
-    p = Path(path).expanduser()
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"cfg={path}: file not found") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"cfg={path}: cannot read it: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"cfg={path}: expected a mapping of option: value")
+    from elasticyolo.yamlfile import read_yaml_mapping
+
+    data = read_yaml_mapping(Path(path).expanduser(), f"cfg={path}", "a mapping of option: value")
     defaults = ultralytics_defaults()
     words = []
     for key, value in data.items():
