@@ -103,7 +103,8 @@ def job_cost(nodes: Sequence[Mapping[str, Any]], now: float,
     for n, until, live in bills:
         s = node_spend(n.get("price_per_hour"), n.get("started_at"), until)
         if s is None:
-            unpriced += live
+            if live:  # a billing record exists only for a priced node
+                unpriced += 1
             continue
         if live:
             priced += 1

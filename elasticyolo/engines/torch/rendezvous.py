@@ -312,8 +312,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         info = super().next_rendezvous()
         round_ = self._state_holder.state.round
         self._joined_round = round_
-        # Who formed this round (hopeless_wait: a store wait on one who is gone is abandoned).
-        self._round_participants[round_] = frozenset(self._state_holder.state.participants)
+        # Who formed this round (hopeless_wait: a store wait on one who is gone is abandoned);
+        # earlier rounds' keys are no longer waited on.
+        self._round_participants = {round_: frozenset(self._state_holder.state.participants)}
         log.info("rendezvous round complete", run_id=self._settings.run_id, round=round_,
                  rank=info.rank, world_size=info.world_size)
         if info.rank == 0 and round_ >= 2:
