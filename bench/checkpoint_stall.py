@@ -13,7 +13,7 @@ production S3 is not on the training node) through the production CheckpointMana
 the blocking snapshot, the uploader process serializes, hashes and uploads. Also prints the
 blocking snapshot time per checkpoint against the background upload time.
 
-    .venv/bin/python bench/checkpoint_stall.py [--interval 200 --intervals 1 --rounds 10 --imgsz 64 --batch 4]
+    .venv/bin/python bench/checkpoint_stall.py [--interval 200 --intervals 1 --rounds 10 --imgsz 64 --batch 4 --store s3|file]
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--uploader-nice", type=int, default=None,
                     help="nice of the uploader process (default: the manager's)")
+    ap.add_argument("--store", choices=("s3", "file"), default="s3",
+                    help="s3: a local S3 API server (default); file: a local directory, to tell the "
+                         "uploader's own cost from the S3 server's (which is another machine in production)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the S3 server on the way out
     torch.set_num_threads(args.threads)
@@ -73,7 +76,7 @@ def main() -> None:
         os.sched_setscheduler(s3.proc.pid, os.SCHED_IDLE, os.sched_param(0))
         os.environ.update(s3.env())
         boto3.client("s3", endpoint_url=s3.endpoint_url).create_bucket(Bucket="bench")
-        store = open_store("s3://bench/stall")
+        store = open_store("s3://bench/stall" if args.store == "s3" else f"file://{tmp}/store")
         # Periods off: the segment decides when (at the start of each interval), as a period would.
         nice = {} if args.uploader_nice is None else {"background_nice": args.uploader_nice}
         mgr = CheckpointManager(store, "bench", save_period_steps=0, save_period_s=0, keep_last=1000, **nice)
@@ -103,6 +106,7 @@ def main() -> None:
         mgr.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core), reason="warmup")
         mgr.wait(600)  # the uploader process is up and the shared-memory slots are sized
         n = args.intervals * args.interval
+        cpu0 = {name: cpu_seconds(pid) for name, pid in (("uploader", mgr._proc.pid), ("s3 server", s3.proc.pid))}
         ratios, with_s, without_s, waits = [], 0.0, 0.0, []
         print(f"{'round':>5} {'with ckpt steps/s':>18} {'without steps/s':>16} {'ratio':>7} {'last upload wait s':>19}")
         for r in range(args.rounds):
@@ -113,6 +117,8 @@ def main() -> None:
             waits.append(got[True][1])
             ratios.append(a / b)
             print(f"{r:>5} {a:>18.3f} {b:>16.3f} {a / b:>7.3f} {got[True][1]:>19.2f}")
+        cpu = {name: cpu_seconds(pid) - cpu0[name]
+               for name, pid in (("uploader", mgr._proc.pid), ("s3 server", s3.proc.pid))}
         mgr.close(timeout=120)
         manifests = [m for m in list_manifests(store, "bench") if m.reason != "warmup"]
     print(f"median ratio with/without = {statistics.median(ratios):.3f}, overall {without_s / with_s:.3f} "
@@ -124,7 +130,26 @@ def main() -> None:
         print(f"per checkpoint ({len(manifests)} kept of {args.rounds * args.intervals}, "
               f"{manifests[-1].size / 1e6:.1f} MB): blocking snapshot {statistics.median(snap):.3f} s vs background "
               f"upload {statistics.median(up):.3f} s (medians, uploader process at nice {mgr.background_nice})")
+        print("background CPU seconds per checkpoint: " + ", ".join(
+            f"{name} {sec / (args.rounds * args.intervals):.2f}" for name, sec in cpu.items())
+            + f" (the {args.store} store; the training side's share is the snapshot above)")
     core.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children, so far."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Build a Horovod 0.28.1 wheel (PyTorch + Gloo; NCCL on a GPU VM) against the torch in $PY's venv.
 # The PyPI sdist does not build against torch 2.14 as is (see README "Horovod build"): we patch
 # the C++ standard (top level 17 so gloo links, torch extension 20 for torch's headers) and, on a
-# CPU machine, force the "torch has CUDA" probe off.
+# CPU machine, force the "torch has CUDA" probe off. One fix to the bundled gloo (below).
 # Usage: build_horovod.sh PYTHON OUT_DIR
 set -euo pipefail
 PY=${1:?python}; OUT=${2:?out dir}
@@ -18,9 +18,38 @@ sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$src/horovod/
 grep -q '^set(CMAKE_CXX_STANDARD 17)' "$src/CMakeLists.txt" || { echo "build_horovod: C++17 patch did not apply" >&2; exit 1; }
 grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt" || { echo "build_horovod: C++20 patch did not apply" >&2; exit 1; }
 
+# Gloo: a pair that fails must also fail an unbound-buffer send still queued on it. Unpatched, a
+# send left in the pair's queue (its socket shut by the collective abort, or the peer gone) is not
+# told, and its waitSend sleeps out the whole Gloo timeout (seen: the survivor of a lost node stuck
+# 30 s in an allreduce although all its connections were shut; docs/horovod-engine.md).
+"$PY" - "$src/third_party/gloo/gloo/transport/tcp/pair.cc" <<'EOF'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+old = """  for (auto& op : tx_) {
+    if (op.buf != nullptr) {
+      op.buf->signalException(ex);
+    }
+  }"""
+new = """  for (auto& op : tx_) {
+    if (op.buf != nullptr) {
+      op.buf->signalException(ex);
+    }
+    if (op.getOpcode() == Op::SEND_UNBOUND_BUFFER) {
+      NonOwningPtr<UnboundBuffer> ubuf(op.ubuf);
+      if (ubuf) {
+        ubuf->signalException(ex);
+      }
+    }
+  }"""
+if text.count(old) != 1:
+    sys.exit("build_horovod: gloo unbound-send patch did not apply")
+open(path, "w").write(text.replace(old, new))
+EOF
+
 export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
 export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=GLOO
-export MAKEFLAGS=-j$(nproc) CMAKE_POLICY_VERSION_MINIMUM=3.5
+MAKEFLAGS=-j$(nproc); export MAKEFLAGS CMAKE_POLICY_VERSION_MINIMUM=3.5
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ -n "${CUDA_HOME:-}" ]; then
   echo "build_horovod: GPU machine, building with NCCL" >&2
   export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED

@@ -56,19 +56,22 @@ log "installing elasticyolo and its dependencies"
 # 3. Horovod: build once per (horovod, torch, cpu|gpu), cache the wheel, reuse it.
 flavor=cpu
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ -n "${CUDA_HOME:-}" ]; then flavor=nccl; fi
-key="horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$flavor"
-if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
+# The build number counts our patches (scripts/build_horovod.sh): a new one rebuilds and reinstalls.
+HOROVOD_BUILD=2
+key="horovod-$HOROVOD_VERSION-b$HOROVOD_BUILD-torch-$TORCH_VERSION-$flavor"
+if ! "$PY" -c "import horovod.torch" 2>/dev/null || [ ! -e "$VENV/.$key" ]; then
   if ! ls "$WHEEL_CACHE/$key"/horovod-*.whl >/dev/null 2>&1; then
     log "building Horovod $HOROVOD_VERSION ($flavor) from the PyPI sdist; cached in $WHEEL_CACHE/$key (several minutes, once)"
     "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging
     # Horovod's bundled gloo needs CMake < 4 (cmake_minimum_required 2.8); Debian 12 ships 3.25.
     command -v cmake >/dev/null 2>&1 || "$PY" -m pip install -q 'cmake>=3.18,<4'
     PATH="$VENV/bin:$PATH" bash scripts/build_horovod.sh "$PY" "$WHEEL_CACHE/$key.tmp"
-    rm -rf "$WHEEL_CACHE/$key"; mv "$WHEEL_CACHE/$key.tmp" "$WHEEL_CACHE/$key"
+    rm -rf "${WHEEL_CACHE:?}/$key"; mv "$WHEEL_CACHE/$key.tmp" "$WHEEL_CACHE/$key"
   fi
   log "installing Horovod from $WHEEL_CACHE/$key"
-  "$PY" -m pip install -q --no-deps "$WHEEL_CACHE/$key"/horovod-*.whl
+  "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL_CACHE/$key"/horovod-*.whl
   "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging
+  touch "$VENV/.$key"
 fi
 build_info=$("$VENV/bin/horovodrun" --check-build)
 grep -q '\[X\] PyTorch' <<<"$build_info" || { log "horovodrun --check-build lacks PyTorch"; exit 1; }

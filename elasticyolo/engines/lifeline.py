@@ -27,6 +27,7 @@ import signal
 import sys
 
 from elasticyolo.engines.worker_env import ENV_PARENT_PID
+from elasticyolo.priority import as_worker
 
 PR_SET_PDEATHSIG = 1
 EXIT_ORPHANED = 137  # as if SIGKILLed together with the parent
@@ -56,6 +57,7 @@ def die_with_agent() -> None:
     under plain horovodrun, whose per-slot threads must not be mistaken for a lifelong parent."""
     if os.environ.get(ENV_PARENT_PID):
         die_with_parent()
+        as_worker()  # the agent runs above its workers (priority.py); they do not
 
 
 def main() -> None:

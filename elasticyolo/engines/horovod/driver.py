@@ -91,6 +91,19 @@ class FencedElasticDriver(ElasticDriver):
         threading.Thread(target=_notify_quietly, args=(client, int(time.time()), update_res), daemon=True,
                          name="notify-coordinator").start()
 
+    def discover_now(self) -> None:
+        """One round of Horovod's host discovery, now (its thread's loop body): a world reset that
+        completes before the thread's next round would otherwise still count a lost host in."""
+        with self._wait_hosts_cond:
+            try:
+                update_res = self._host_manager.update_available_hosts()
+            except Exception as exc:  # noqa: BLE001 - the discovery thread retries on its own
+                get_logger("elasticyolo.driver").debug("discovery failed", error=str(exc))
+                return
+            if update_res != HostUpdateResult.no_update:
+                self._notify_workers_host_changes(self._host_manager.current_hosts, update_res)
+                self._wait_hosts_cond.notify_all()
+
 
 class DriverRunner:
     """One Horovod elastic run of one job under one leadership term."""
@@ -222,6 +235,9 @@ class DriverRunner:
         except RuntimeError:  # changed size while copying: the next change will do
             return
         targets = abort_targets(lost, world, clients)
+        # The lost node out of Horovod's hosts first: the reset the abort causes must not count it
+        # (seen: an agent-only freeze, the orphan worker rejoined the next world, then left).
+        driver.discover_now()
         if targets:
             self.log.info("aborting the world's collective", lost=sorted(lost), workers=len(targets))
         stamp = int(time.time())

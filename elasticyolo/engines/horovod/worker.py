@@ -23,7 +23,7 @@ from horovod.runner.elastic.worker import HostUpdateResult
 
 from elasticyolo.engines import worker_env
 from elasticyolo.engines.commit import CommitHooks
-from elasticyolo.engines.horovod.abort import ABORT, abort_collectives
+from elasticyolo.engines.horovod.abort import ABORT, CollectiveAborter, abort_collectives
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
 from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
@@ -50,12 +50,13 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
 
     quiesce_poller: QuiescePoller | None = None
     on_quiesce: Any = None  # called on every rank at the commit all ranks agreed to quiesce at
+    aborter = CollectiveAborter()  # one worker process, one state
 
     def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
         # The driver lost a node of this world (engines/horovod/abort.py): fail the collective now
         # instead of at Gloo's timeout. Not a host update of its own: the reset follows.
         if int(update_res) & ABORT:
-            n = abort_collectives()
+            n = self.aborter.abort()
             log.info("collective aborted: a node of the world was lost", connections=n)
             return
         super().on_hosts_updated(timestamp, update_res)
@@ -75,6 +76,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         # Our collective failed: stop the peers that still wait on us at once, before the reset
         # blocks in the rendezvous (our sockets would otherwise stay open until Gloo's timeout).
         abort_collectives()
+        self.aborter.settled()  # the connections made from now on are the next world's
         super().restore()
 
     def check_host_updates(self) -> None:
@@ -217,6 +219,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: T
     )
 
     def on_reset() -> None:
+        state.aborter.settled()
         trace.write("reset", rank=hvd.rank(), world=hvd.size())
         log.info("reset", rank=hvd.rank(), world=hvd.size())
 
