@@ -19,7 +19,6 @@ from typing import Any
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.priority import AGENT_NICE, set_nice
 
 ELASTICYOLO = str(Path(sys.executable).with_name("elasticyolo"))
 
@@ -51,7 +50,6 @@ class AgentProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
         log.close()
-        set_nice(AGENT_NICE, self.proc.pid)  # as the systemd unit starts it (before its threads exist)
         return self
 
     def signal(self, sig: int) -> None:

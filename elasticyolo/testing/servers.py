@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticyolo.priority import ETCD_NICE, set_nice
-
 DEPLOY_ETCD = Path(__file__).resolve().parents[2] / "deploy" / "etcd"
 
 
@@ -217,10 +215,8 @@ class EtcdCluster:
         log = open(m.log_path, "ab")
         m.proc = subprocess.Popen(self._cmd(m, state), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
-        set_nice(ETCD_NICE, m.proc.pid)  # as deploy/etcd's unit runs it
         if wait:
             self._wait_healthy(m, timeout)
-            set_nice(ETCD_NICE, m.proc.pid)  # threads started by one not reniced yet the first time
 
     def kill_member(self, m: EtcdMember) -> None:
         if m.proc is not None and m.proc.poll() is None:
