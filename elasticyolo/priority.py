@@ -3,7 +3,8 @@ the cluster (its lease keep-alive, heartbeats, the leader's driver).
 
 The systemd unit starts the agent at `AGENT_NICE` (`Nice=-5`, as deploy/etcd's unit does for etcd);
 every process the agent starts drops back to `WORKER_NICE` first thing (`engines/lifeline.py`), so
-training runs at normal priority and only the agent's light work is ahead of it. Seen without it:
+training runs at normal priority and only the agent's light work is ahead of it (etcd's own unit
+in deploy/etcd runs at Nice=-5 as well). Seen without it:
 two CPU hogs beside a 2-node job on 2 cores, both agents' 2 s leases lapsed at once and the job
 restarted. Lowering a nice value needs CAP_SYS_NICE: without it (an unprivileged test run) the
 agent simply keeps the priority it was started with. No torch here.
@@ -15,7 +16,6 @@ import os
 
 AGENT_NICE = -5  # systemd/elasticyolo-agent.service: Nice=
 WORKER_NICE = 0
-ETCD_NICE = -5  # deploy/etcd/etcd-member.service: Nice= (test servers mirror it)
 
 
 def set_nice(nice: int, pid: int = 0) -> bool:

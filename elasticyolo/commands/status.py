@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
 
@@ -60,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         from rich.live import Live
         from rich.text import Text
 
-        # A terminal: redrawn in place (rich's Live on the alternate screen), Ctrl-C to leave.
+        # A terminal: redrawn in place (rich's Live on the alternate screen), Ctrl-C to leave, even
+        # when started by a parent that ignores SIGINT (an ignored signal is inherited).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         with Live(console=Console(), screen=True, auto_refresh=False, transient=True) as live:
             while True:
                 head = f"{time.strftime('%H:%M:%S')}  every {args.interval:g}s  (Ctrl-C to quit)\n"
