@@ -18,20 +18,12 @@ AGENT_NICE = -5  # systemd/elasticyolo-agent.service: Nice=
 WORKER_NICE = 0
 
 
-def set_nice(nice: int, pid: int = 0) -> bool:
-    """Set the nice value of process `pid`, every thread it has now (threads inherit it from the
-    thread that starts them), or of this thread (0). False if not permitted."""
-    tids = [pid]
-    if pid:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            pass
+def set_nice(nice: int) -> bool:
+    """Set this thread's nice value (threads it starts later inherit it). False if not permitted."""
     try:
-        for tid in tids:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
         return True
-    except (PermissionError, ProcessLookupError):
+    except PermissionError:
         return False
 
 
