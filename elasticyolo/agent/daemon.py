@@ -229,6 +229,10 @@ class Agent:
 
     def _iterate(self) -> None:
         try:
+            # A leader whose lease may have expired steps down first thing: cut off from etcd, the
+            # reads below fail every time, and etcd hands the lead to another node at the TTL.
+            if self.election.is_leader and not self.registration.lease_valid():
+                self._lead()
             obs = self._observe()
             transition = decide(self.state, obs)
             if transition is not None:

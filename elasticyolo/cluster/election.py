@@ -176,6 +176,8 @@ class LeaderElection:
         self.term = 0
         self.reg.record.leader = False
         log.warning("lost leadership", node=self.node_id, term=term, reason=reason)
+        if not self.reg.lease_valid():
+            return  # the flag goes with the lease, as the key does (no write that may hang: cut off)
         try:
             self.reg.update(leader=False)
         except Exception as exc:  # noqa: BLE001 - the next loop iteration rewrites the record

@@ -1,5 +1,7 @@
 """A local elasticyolo cluster for tests, the demo and benchmarks: real `elasticyolo agent`
 processes (distinct node ids, all on 127.0.0.1) against a real etcd, training real workers.
+With `loopback=False`, `start(..., addr=, prefix=)` and a `reader`, the agents run in network
+namespaces of their own instead (partition tests, `testing/netns.py`).
 
 Worker traces (`ELASTICYOLO_TRACE_DIR`) are shared by all agents' workers so a scenario can
 find a rank's pid, prove exactly-once coverage and time recoveries.
@@ -12,36 +14,47 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import psutil
 
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, leader_in_etcd, nodes_in_etcd
+from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, EtcdReads, leader_in_etcd, nodes_in_etcd
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.testing.trace import pids_by_rank, read_trace
 from elasticyolo.testing.wait import wait_for
 
 
+# Pin torch, Gloo and Horovod to loopback: every agent of a plain local cluster is on 127.0.0.1.
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "HOROVOD_GLOO_IFACE": "lo", "MASTER_ADDR": "127.0.0.1"}
+
+
 class AgentCluster:
     def __init__(self, endpoints: str, job: str, workdir: Path, *, ttl: int = 2, prewarm: bool = True,
-                 env: dict[str, str] | None = None, client: EtcdClient | None = None) -> None:
+                 env: dict[str, str] | None = None, client: EtcdClient | None = None, loopback: bool = True,
+                 reader: EtcdReads | None = None, cli_prefix: Sequence[str] = ()) -> None:
         """`env` reaches agents and the CLI (TLS/auth: ELASTICYOLO_ETCD_CA, ...); `client`: one
-        with the same TLS/auth for the test's own reads."""
+        with the same TLS/auth for the test's own reads. `loopback=False`: agents on addresses of
+        their own, whose interface the launcher picks from `--addr` (no loopback pinning, not even
+        the test process's own); `reader`: what the etcd views read through (default `client`);
+        `cli_prefix`: runs `submit`/`status` (e.g. `ip netns exec NS`)."""
         self.endpoints, self.job, self.workdir, self.ttl = endpoints, job, workdir, ttl
         self.keys = JobKeys(job)
         self.client = client or EtcdClient(endpoints)
+        self.reader: EtcdReads = reader or self.client
+        self.cli_prefix = list(cli_prefix)
         self.trace_dir = workdir / "trace"
         self.agents: dict[str, AgentProcess] = {}
+        self.unset = () if loopback else tuple(LOOPBACK_ENV)
         self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_WORK_DIR": str(workdir / "nodes"),
-                    "ELASTICYOLO_PREWARM": "1" if prewarm else "0", "GLOO_SOCKET_IFNAME": "lo",
-                    "HOROVOD_GLOO_IFACE": "lo", "MASTER_ADDR": "127.0.0.1", "ELASTICYOLO_LOG_FORMAT": "json",
-                    **(env or {})}
+                    "ELASTICYOLO_PREWARM": "1" if prewarm else "0", **(LOOPBACK_ENV if loopback else {}),
+                    "ELASTICYOLO_LOG_FORMAT": "json", **(env or {})}
 
     # ---- agents -------------------------------------------------------------------------
-    def start(self, node_id: str, *extra: str) -> AgentProcess:
+    def start(self, node_id: str, *extra: str, addr: str = "127.0.0.1", prefix: Sequence[str] = ()) -> AgentProcess:
+        """`addr`: the agent's --addr; `prefix`: runs it (e.g. `ip netns exec NS`)."""
         a = AgentProcess(self.endpoints, self.job, node_id, ttl=self.ttl, log_dir=self.workdir, extra=list(extra),
-                         env=self.env).start()
+                         env=self.env, addr=addr, prefix=list(prefix), unset=self.unset).start()
         self.agents[node_id] = a
         return a
 
@@ -65,35 +78,37 @@ class AgentCluster:
 
     # ---- etcd views ---------------------------------------------------------------------
     def nodes(self) -> dict[str, dict[str, Any]]:
-        return nodes_in_etcd(self.client, self.job)
+        return nodes_in_etcd(self.reader, self.job)
 
     def leader(self) -> str | None:
-        return leader_in_etcd(self.client, self.job)
+        return leader_in_etcd(self.reader, self.job)
 
     def ready(self, node_ids: list[str]) -> bool:
         nodes = self.nodes()
         return all(n in nodes and nodes[n].get("state") in ("IDLE", "TRAINING") for n in node_ids)
 
     def job_state(self) -> str | None:
-        got = self.client.get(self.keys.state)
+        got = self.reader.get(self.keys.state)
         return json.loads(got[0]).get("state") if got else None
 
     def world(self) -> dict[str, Any]:
-        got = self.client.get(self.keys.world)
+        got = self.reader.get(self.keys.world)
         return json.loads(got[0]) if got else {}
 
     def progress(self) -> dict[str, Any]:
-        got = self.client.get(self.keys.progress)
+        got = self.reader.get(self.keys.progress)
         return json.loads(got[0]) if got else {}
 
     def submit(self, *pairs: str) -> None:
-        r = subprocess.run([ELASTICYOLO, "submit", "--etcd", self.endpoints, "--job", self.job, *pairs],
+        r = subprocess.run([*self.cli_prefix, ELASTICYOLO, "submit", "--etcd", self.endpoints, "--job", self.job,
+                            *pairs],
                            capture_output=True, text=True, timeout=30, env={**os.environ, **self.env})
         if r.returncode != 0:
             raise AssertionError(f"submit failed: {r.stderr}")
 
     def status(self, as_json: bool = True) -> Any:
-        cmd = [ELASTICYOLO, "status", "--etcd", self.endpoints, "--job", self.job] + (["--json"] if as_json else [])
+        cmd = [*self.cli_prefix, ELASTICYOLO, "status", "--etcd", self.endpoints, "--job", self.job] + \
+            (["--json"] if as_json else [])
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={**os.environ, **self.env})
         if r.returncode != 0:
             raise AssertionError(f"status failed: {r.stderr}")

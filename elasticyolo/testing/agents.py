@@ -15,7 +15,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
@@ -35,17 +35,21 @@ class AgentProcess:
     extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
+    addr: str = "127.0.0.1"  # --addr and --host
+    prefix: list[str] = field(default_factory=list)  # e.g. `ip netns exec NS` (testing/netns.py)
+    unset: tuple[str, ...] = ()  # variables of this process's environment the agent must not get
 
     @property
     def log_path(self) -> Path:
         return self.log_dir / f"agent-{self.job}-{self.node_id}.log"
 
     def start(self) -> "AgentProcess":
-        cmd = [ELASTICYOLO, "agent", "--config", os.devnull, "--etcd", self.endpoints, "--job", self.job,
-               "--node-id", self.node_id, "--ttl", str(self.ttl), "--addr", "127.0.0.1", "--host", "127.0.0.1",
-               "--slots", "1", "--startup-timeout-s", "10", *self.extra]
+        cmd = [*self.prefix, ELASTICYOLO, "agent", "--config", os.devnull, "--etcd", self.endpoints,
+               "--job", self.job, "--node-id", self.node_id, "--ttl", str(self.ttl), "--addr", self.addr,
+               "--host", self.addr, "--slots", "1", "--startup-timeout-s", "10", *self.extra]
         # Node-local files under the test's own directory unless the scenario says otherwise.
-        env = {**os.environ, "ELASTICYOLO_LOG_FORMAT": "json", "ELASTICYOLO_WORK_DIR": str(self.log_dir / "nodes"),
+        inherited = {k: v for k, v in os.environ.items() if k not in self.unset}
+        env = {**inherited, "ELASTICYOLO_LOG_FORMAT": "json", "ELASTICYOLO_WORK_DIR": str(self.log_dir / "nodes"),
                **self.env}
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
@@ -83,13 +87,21 @@ class AgentProcess:
         return out
 
 
-def nodes_in_etcd(client: EtcdClient, job: str) -> dict[str, dict[str, Any]]:
+class EtcdReads(Protocol):
+    """The reads of the views below: an `EtcdClient`, or a reader that runs inside a network
+    namespace (`testing/netns.py`)."""
+
+    def get(self, key: str) -> tuple[bytes, int] | None: ...
+    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]: ...
+
+
+def nodes_in_etcd(client: EtcdReads, job: str) -> dict[str, dict[str, Any]]:
     """node id -> record, read directly from etcd."""
     keys = JobKeys(job)
     return {keys.node_id_of(k): json.loads(v) for k, v, _ in client.get_prefix(keys.nodes)}
 
 
-def leader_in_etcd(client: EtcdClient, job: str) -> str | None:
+def leader_in_etcd(client: EtcdReads, job: str) -> str | None:
     got = client.get(JobKeys(job).leader)
     return json.loads(got[0])["node_id"] if got else None
 

@@ -1,6 +1,8 @@
 """Start real etcd and S3 API (moto) servers on 127.0.0.1 for tests, benchmarks and the demo.
 
 Everything binds to loopback; data lives in a temp dir that goes away with the server.
+`EtcdCluster(host=..., exec_prefix=["ip", "netns", "exec", NS])` runs the members on that address
+inside a network namespace instead (partition tests, `testing/netns.py`).
 `EtcdCluster(tls=EtcdPki.generate(...))` runs the production setup from deploy/etcd: certificates
 from `make-certs.sh`, members configured from `etcd.conf.yml.template` (TLS for clients and
 peers, client certificates required, JWT tokens), and `enable_auth()` runs `setup-auth.sh`.
@@ -49,6 +51,19 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, o
     raise TimeoutError(f"{url} did not answer within {timeout}s ({last})")
 
 
+def _wait_http_via(prefix: list[str], url: str, timeout: float, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """`_wait_http` run through `prefix` (inside a network namespace: only from there is `url` reachable)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from elasticyolo.testing.servers import _wait_http;"
+            " _wait_http(sys.argv[2], float(sys.argv[3]))")
+    root = str(Path(__file__).resolve().parents[2])
+    r = subprocess.run([*prefix, sys.executable, "-c", code, root, url, str(timeout)], capture_output=True,
+                       text=True, timeout=timeout + 30)
+    if proc.poll() is not None:
+        raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+    if r.returncode != 0:
+        raise TimeoutError(f"{url} did not answer within {timeout}s: {r.stderr.strip()[-300:]}")
+
+
 @dataclass(frozen=True)
 class EtcdPki:
     """Certificates made by deploy/etcd/make-certs.sh: CA, one cert per member, client certs
@@ -88,10 +103,11 @@ class EtcdMember:
     data_dir: Path
     log_path: Path
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def alive(self) -> bool:
@@ -109,13 +125,18 @@ class EtcdCluster:
     # member names must be among the certificates' members.
     tls: EtcdPki | None = None
     auth_user: str | None = None  # set by enable_auth()
+    host: str = "127.0.0.1"  # the members' address
+    # Run the members (and their health checks) through this, e.g. `ip netns exec NS`: a member in
+    # a namespace is reachable only from there. (Its ports are then free whatever free_port saw.)
+    exec_prefix: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.members:
             for i in range(self.size):
                 name = f"m{i}"
                 self.members.append(
-                    EtcdMember(name, free_port(), free_port(), self.root / name, self.root / f"{name}.log")
+                    EtcdMember(name, free_port(), free_port(), self.root / name, self.root / f"{name}.log",
+                               host=self.host)
                 )
 
     @property
@@ -136,16 +157,18 @@ class EtcdCluster:
 
     def _cmd(self, m: EtcdMember, state: str) -> list[str]:
         if self.tls is not None:
-            return [shutil.which("etcd") or "/usr/bin/etcd", "--config-file", str(self._render_config(m, state))]
-        initial = ",".join(f"{o.name}=http://127.0.0.1:{o.peer_port}" for o in self.members)
+            return [*self.exec_prefix, shutil.which("etcd") or "/usr/bin/etcd", "--config-file",
+                    str(self._render_config(m, state))]
+        initial = ",".join(f"{o.name}=http://{o.host}:{o.peer_port}" for o in self.members)
         return [
+            *self.exec_prefix,
             shutil.which("etcd") or "/usr/bin/etcd",
             "--name", m.name,
             "--data-dir", str(m.data_dir),
-            "--listen-client-urls", f"http://127.0.0.1:{m.client_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{m.client_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+            "--listen-client-urls", f"http://{m.host}:{m.client_port}",
+            "--advertise-client-urls", f"http://{m.host}:{m.client_port}",
+            "--listen-peer-urls", f"http://{m.host}:{m.peer_port}",
+            "--initial-advertise-peer-urls", f"http://{m.host}:{m.peer_port}",
             "--initial-cluster", initial,
             "--initial-cluster-state", state,
             "--initial-cluster-token", self.root.name,
@@ -160,9 +183,9 @@ class EtcdCluster:
         assert self.tls is not None
         template = string.Template((DEPLOY_ETCD / "etcd.conf.yml.template").read_text())
         text = template.substitute(
-            ETCD_NAME=m.name, ETCD_DATA_DIR=str(m.data_dir), ETCD_IP="127.0.0.1",
+            ETCD_NAME=m.name, ETCD_DATA_DIR=str(m.data_dir), ETCD_IP=m.host,
             ETCD_CLIENT_PORT=m.client_port, ETCD_PEER_PORT=m.peer_port,
-            ETCD_INITIAL_CLUSTER=",".join(f"{o.name}=https://127.0.0.1:{o.peer_port}" for o in self.members),
+            ETCD_INITIAL_CLUSTER=",".join(f"{o.name}=https://{o.host}:{o.peer_port}" for o in self.members),
             ETCD_CLUSTER_TOKEN=self.root.name, ETCD_PKI=str(self.tls.dir), ETCD_HEARTBEAT_MS=50, ETCD_ELECTION_MS=500,
         ).replace("initial-cluster-state: new", f"initial-cluster-state: {state}")
         path = self.root / f"{m.name}.conf.yml"
@@ -170,6 +193,9 @@ class EtcdCluster:
         return path
 
     def _wait_healthy(self, m: EtcdMember, timeout: float) -> None:
+        if self.exec_prefix:
+            _wait_http_via(self.exec_prefix, f"{self.scheme}://{m.endpoint}/health", timeout, m.proc)
+            return
         ctx = self.tls.ssl_context() if self.tls else None
         _wait_http(f"{self.scheme}://{m.endpoint}/health", timeout, m.proc, context=ctx)
 

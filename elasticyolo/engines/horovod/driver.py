@@ -33,7 +33,7 @@ from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
 from elasticyolo.cluster.liveness import LivenessServer, Verdict
 from elasticyolo.engines.horovod.abort import ABORT
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
-from elasticyolo.engines.horovod.failures import SlotFacts, abort_targets, slot_outcome
+from elasticyolo.engines.horovod.failures import SlotFacts, abort_targets, etcd_answers, excluded_hosts, slot_outcome
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -43,6 +43,9 @@ from elasticyolo.spec import TrainSpec
 STOP_REPORT_S = 5.0
 # A host change Horovod has not acted on after this long is announced to the workers again.
 RENOTIFY_S = 3.0
+# Liveness verdicts that came while etcd did not answer the leader are acted on once it answers
+# again, if within this long (a leader cut off steps down well before: its lease).
+RECHECK_S = 10.0
 # Horovod polls discovery once a second (holding its hosts lock). Ours answers from a cache, so a
 # shorter period costs nothing and a lost or joining node is acted on sooner.
 horovod_driver.DISCOVER_HOSTS_FREQUENCY_SECS = 0.2
@@ -119,6 +122,9 @@ class DriverRunner:
         self._slot_owner: dict[tuple[str, int], str] = {}  # (host, local rank) -> newest request id
         self._superseded: set[int] = set()  # worker threads whose exit Horovod must ignore
         self._reset_seen: tuple[int, float] | None = None  # (rendezvous id, when its first worker registered)
+        self._excluded: set[str] = set()  # lost nodes discovery leaves out (failures.excluded_hosts)
+        self._deferred: dict[str, Verdict] = {}  # verdicts to act on once etcd answers again
+        self._liveness_lock = threading.Lock()
         self.driver: ElasticDriver | None = None
         self.result: str | None = None  # JOB_DONE / JOB_FAILED once finished
         self.error: str | None = None
@@ -225,6 +231,9 @@ class DriverRunner:
         # A lost node: wake the workers' waiters now rather than at the next etcd poll, and make
         # the rest of the world abort a collective that may be blocked on it.
         self.view.poke()
+        if not self._etcd_answers():  # we may be the one cut off: not now (failures.py)
+            self._defer({n: v for n, v in changes.items() if v in (Verdict.DEAD, Verdict.SUSPECT)})
+            return
         driver = self.driver
         lost = {n for n, v in changes.items() if v in (Verdict.DEAD, Verdict.SUSPECT)} & self._lost_nodes()
         if not lost or driver is None or driver.finished():
@@ -244,6 +253,30 @@ class DriverRunner:
         for host, slot in targets:
             threading.Thread(target=_notify_abort, args=(clients[(host, slot)], stamp, self.log), daemon=True,
                              name=f"abort-{host}-{slot}").start()
+
+    def _etcd_answers(self) -> bool:
+        if self.liveness is None:
+            return True
+        return etcd_answers(time.monotonic() - self.view.snapshot.at, self.liveness.table.timeout_s)
+
+    def _defer(self, verdicts: dict[str, Verdict]) -> None:
+        if not verdicts:
+            return
+        with self._liveness_lock:
+            first = not self._deferred
+            self._deferred.update(verdicts)
+        self.log.info("liveness verdicts held: etcd does not answer", nodes=sorted(verdicts))
+        if first:
+            threading.Thread(target=self._act_when_etcd_answers, name="liveness-recheck", daemon=True).start()
+
+    def _act_when_etcd_answers(self) -> None:
+        # A slow read, not a partition: the verdicts stand once etcd answers (those that still do).
+        since = time.monotonic()
+        self.view.wait(lambda s: s.at > since or self._stopping.is_set(), timeout=RECHECK_S)
+        with self._liveness_lock:
+            verdicts, self._deferred = self._deferred, {}
+        if not self._stopping.is_set() and self._etcd_answers():
+            self._on_liveness(verdicts)
 
     def _clear_launches(self) -> None:
         # Fenced: a deposed driver must not delete its successor's requests.
@@ -398,12 +431,18 @@ class DriverRunner:
         return {n: str(r.get("liveness_token") or "") for n, r in self.view.snapshot.nodes.items()}
 
     def _lost_nodes(self) -> set[str]:
-        # Only verdicts of connections that proved to be the node (its record's token).
-        return self.liveness.lost(self._tokens()) if self.liveness is not None else set()
+        # Only verdicts of connections that proved to be the node (its record's token), and none
+        # newly while etcd does not answer us (failures.py).
+        if self.liveness is None:
+            return set()
+        lost = self.liveness.lost(self._tokens())
+        with self._liveness_lock:
+            self._excluded = excluded_hosts(lost, self._excluded, self._etcd_answers())
+            return set(self._excluded)
 
     def _verdict(self, node: str) -> Verdict:
-        if self.liveness is None:
-            return Verdict.UNKNOWN
+        if self.liveness is None or not self._etcd_answers():
+            return Verdict.UNKNOWN  # cut off, we cannot tell their silence from ours: the lease decides
         rec = self.view.snapshot.nodes.get(node)
         # A node whose record is gone (lease expired) keeps the verdict its last connection earned.
         return self.liveness.verdict(node, None if rec is None else str(rec.get("liveness_token") or ""))

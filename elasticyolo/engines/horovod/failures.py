@@ -14,6 +14,12 @@ must be reported only for a worker that really is gone:
   worker is counted failed only when the world resets and that worker does not register for
   `grace_s` while the others have (it is frozen or cut off too), or when it is no longer part
   of the world anyway (the result is then ignored).
+
+A leader acts on those signals only while etcd answers it (`etcd_answers`): cut off from the
+others and etcd, it would see every node fall silent at once. The silence is then its own, and
+dropping them (aborting its world, leaving them out) would form a world of its own in the
+minority, which the majority does not know of. Its lease decides instead: it steps down (the
+agent, cluster/election.py) and the majority elects a new leader.
 """
 
 from __future__ import annotations
@@ -24,6 +30,21 @@ from typing import Iterable
 from elasticyolo.cluster.liveness import Verdict
 
 RESET_GRACE_S = 0.5  # a live worker registers within milliseconds of its peers after a reset
+
+
+def etcd_answers(view_age_s: float, heartbeat_timeout_s: float) -> bool:
+    """Whether the leader's last etcd read is recent enough to trust its liveness verdicts. A
+    suspect went silent `heartbeat_timeout_s` ago (less one heartbeat interval at most); had the
+    leader been cut off then, its reads (every 0.2 s) would have stopped as long ago. Holds for
+    heartbeat intervals below half the timeout (the default: 0.25 s of 2 s)."""
+    return view_age_s < heartbeat_timeout_s / 2
+
+
+def excluded_hosts(lost: set[str], excluded_before: set[str], answers: bool) -> set[str]:
+    """The nodes discovery leaves out: every lost node while etcd answers; while it does not, no
+    new one (the leader may be the one cut off), only those left out already and still lost (a
+    slow read must not put a lost node back into the world)."""
+    return set(lost) if answers else excluded_before & lost
 
 
 @dataclass(frozen=True)
