@@ -11,7 +11,9 @@
 
 Same model and data everywhere: yolov8n on 24 generated 64 px images, batch 4 per worker, gloo on
 loopback (Gloo timeout 5 s for the Horovod runs), one worker per "node", OMP_NUM_THREADS=1.
-Schedule of one run: nodes A, B, C train at world 3; C is SIGKILLed (process death: its agent for
+Schedule of one run (each event once the world has trained 6 steps and, for elasticyolo, every
+node's warm standby worker is ready again: real spot events are minutes apart): nodes A, B, C
+train at world 3; C is SIGKILLed (process death: its agent for
 elasticyolo/torchrun, its worker + discovery entry for horovodrun); node D starts; then a node of
 the new world vanishes (SIGSTOP of its agent and every process under it - nothing is closed; for
 horovodrun its worker is stopped and dropped from discovery), and is SIGKILLed after the
@@ -128,6 +130,20 @@ class ElasticyoloRun:
 
     def events(self) -> list[dict[str, Any]]:
         return self.c.events()
+
+    def settled(self) -> bool:
+        """Every live node's newest warm worker is warm (`engines/prewarm.py` logs both). Spot
+        events are minutes apart; this run's are seconds apart, so each event waits for the
+        standby the previous one used up to be replaced, as it would be in a real cluster."""
+        for node, agent in self.c.agents.items():
+            if agent.proc is None or agent.proc.poll() is not None or self._is_frozen(node):
+                continue
+            records = agent.log_records()
+            warming = [r.get("pid") for r in records if r.get("event") == "warming worker"]
+            warm = {r.get("pid") for r in records if r.get("event") == "worker warm"}
+            if warming and warming[-1] not in warm:
+                return False
+        return True
 
     def close(self) -> None:
         self.unfreeze_kill()
@@ -260,6 +276,12 @@ def rank0_steps(ev: list[dict[str, Any]], world: int, after: float = 0.0, before
     return [e["t"] for e in ev if e["ev"] == "step" and e["rank"] == 0 and e["world"] == world and after < e["t"] < before]
 
 
+def settled(sc: Any) -> Callable[[list[dict[str, Any]]], bool]:
+    """A wait condition: the system's own readiness for the next event (if it has one)."""
+    check = getattr(sc, "settled", None)
+    return lambda _ev: check() if check is not None else True
+
+
 def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
     sc: Any = (ElasticyoloRun(tmp, endpoints, data) if name == "elasticyolo"
                else ElasticyoloRun(tmp, endpoints, data, engine="torch") if name == "elasticyolo-torch"
@@ -270,6 +292,7 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
             sc.start(n)
         if not wait(sc.events, lambda ev: len(rank0_steps(ev, 3)) >= 6, 300):
             return {"error": "never trained at world 3"}
+        wait(sc.events, settled(sc), 120)
         t_kill = time.time()
         sc.kill("c")
         step = wait(sc.events, lambda ev: first_step(ev, t_kill, 2), NO_STEP_S)
@@ -277,6 +300,7 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
         if step is None:
             return {**out, "error": "no step after the kill"}
         wait(sc.events, lambda ev: len(rank0_steps(ev, 2, after=step["t"])) >= 6, 120)
+        wait(sc.events, settled(sc), 120)
         t_join = time.time()
         sc.start("d")
         new = wait(sc.events, lambda ev: first_step(ev, t_join, 3), 180)
@@ -291,6 +315,7 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
         out["step_s"] = round(normal, 2)
         # (c) a node of the new world vanishes.
         wait(sc.events, lambda ev: len(rank0_steps(ev, 3, after=new["t"])) >= 6, 120)
+        wait(sc.events, settled(sc), 120)
         t_freeze = time.time()
         sc.freeze()
         gone = wait(sc.events, lambda ev: first_step(ev, t_freeze, 2), NO_STEP_S)

@@ -54,6 +54,14 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
     assert proj["changes"] > 100 and set(proj["systems"]) == {"elasticyolo", "checkpoint-restart"}
     assert 0 < proj["systems"]["elasticyolo"]["goodput_vs_ideal"] <= 1
     assert {"elasticyolo.join", "elasticyolo.kill_notice", "checkpoint-restart.restart"} <= set(proj["costs_used"])
+    # The accuracy check ran: both checkpoints of the same epoch validated (the tolerance is a
+    # target for long replays; a few epochs of 64 px training say little about it).
+    acc = fig["accuracy"]
+    assert acc["epoch"] >= 0 and acc["uninterrupted"]["epoch"] == acc["elasticyolo"]["epoch"] == acc["epoch"]
+    assert 0 <= acc["elasticyolo"]["mAP50-95"] <= 1 and 0 <= acc["uninterrupted"]["mAP50-95"] <= 1
+    assert acc["map50_95_difference"] == pytest.approx(
+        abs(acc["elasticyolo"]["mAP50-95"] - acc["uninterrupted"]["mAP50-95"]), abs=1e-3)
+    assert "accuracy at the end of epoch" in r.stdout
     # Nothing left behind: every agent and worker of both systems is gone.
     assert "work dir kept" not in r.stdout
 

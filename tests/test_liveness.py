@@ -4,12 +4,14 @@ SIGSTOPped one at the heartbeat timeout), and the one-line errors for bad timeou
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,4 +199,47 @@ def test_a_connection_without_the_nodes_token_cannot_drop_it() -> None:
         assert server.verdict("x", "the-real-token") is Verdict.UNKNOWN
         assert server.lost({"x": "guess"}) == {"x"}
     finally:
+        server.stop()
+
+
+# ---- the leader revokes a dead agent's lease (agent/dead_nodes.py) ------------------------------
+def test_only_a_dead_connection_with_the_records_token_revokes_as_leader() -> None:
+    from elasticyolo.agent.dead_nodes import lease_to_revoke
+
+    rec = {"liveness_token": "t1"}
+    assert lease_to_revoke(Verdict.DEAD, "t1", rec, 42, leader=True) == 42
+    assert lease_to_revoke(Verdict.SUSPECT, "t1", rec, 42, leader=True) is None  # may come back
+    assert lease_to_revoke(Verdict.DEAD, "t1", rec, 42, leader=False) is None  # only the leader
+    assert lease_to_revoke(Verdict.DEAD, "old", rec, 42, leader=True) is None  # another registration
+    assert lease_to_revoke(Verdict.DEAD, None, rec, 42, leader=True) is None
+    assert lease_to_revoke(Verdict.DEAD, "t1", None, 42, leader=True) is None  # record already gone
+    assert lease_to_revoke(Verdict.DEAD, "t1", rec, 0, leader=True) is None
+
+
+def test_leader_revokes_a_killed_agents_lease_at_once(etcd_server: Any) -> None:
+    """Real etcd, a real liveness connection from a process that is SIGKILLed."""
+    from elasticyolo.agent.dead_nodes import DeadNodeReaper
+    from elasticyolo.cluster.etcd import EtcdClient
+    from elasticyolo.cluster.keys import JobKeys
+
+    client = EtcdClient(etcd_server.endpoints)
+    keys = JobKeys("reap")
+    lease = client.lease_grant(60)
+    client.put(keys.node("x"), json.dumps({"liveness_token": "tok"}), lease=lease)
+    server = LivenessServer("127.0.0.1", timeout_s=5).start()
+    reaper = DeadNodeReaper(client, keys, server, is_leader=lambda: True).start()
+    code = CLIENT.replace("lambda: 0)", "lambda: 0, token='tok')")
+    child = subprocess.Popen([sys.executable, "-c", code, "x", server.endpoint], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        wait_for(lambda: server.verdict("x") is Verdict.ALIVE, 20, "the agent connected")
+        child.kill()
+        t0 = time.monotonic()
+        wait_for(lambda: client.get(keys.node("x")) is None, 5, "the dead agent's record gone")
+        assert time.monotonic() - t0 < 2, "revoked at once, not at the lease's 60 s"
+        assert client.lease_ttl(lease) == -1
+    finally:
+        child.kill()
+        reaper.stop()
         server.stop()

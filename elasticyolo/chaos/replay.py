@@ -54,6 +54,7 @@ class ReplayOptions:
     spec: list[str] = field(default_factory=list)  # extra key=value training options
     workdir: Path | None = None
     keep: bool = False
+    accuracy: bool = True  # compare the final mAP with an uninterrupted run (chaos/accuracy.py)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     spec = [f"model={o.model}", f"data={data}", "epochs=100000", f"imgsz={o.imgsz}", f"batch={o.batch}",
             f"nbs={o.batch}", "warmup_epochs=0", "close_mosaic=0", "val=false", "amp=false", "workers=0",
             f"engine={o.engine}", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4",
-            "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", *o.spec]
+            "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", "keep_epochs=true", *o.spec]
     out: dict[str, Any] = {
         "command": "elasticyolo " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "trace": str(o.trace), "window": {"start_hour": o.start_hour, "hours": o.hours,
@@ -178,6 +179,11 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
                 if prep.restart is not None:
                     say("checkpoint-restart: replaying the same window, stop-the-world at every change")
                     runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final))
+                if o.accuracy:
+                    from elasticyolo.chaos.accuracy import check_accuracy
+
+                    out["accuracy"] = check_accuracy(env, data, o.imgsz, len(prep.elastic.initial_nodes), o.nodes,
+                                                     timeout_s=max(600.0, 5 * tl.duration_s))
             except (AssertionError, RuntimeError) as exc:
                 failed = True
                 raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]} "

@@ -8,6 +8,7 @@ then play the plan's actions on the replay clock and stop everything at the wind
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from elasticyolo.testing.metadata_server import MetadataServer
 from elasticyolo.testing.wait import wait_for
 
 Say = Callable[[str], None]
+ELASTIC_JOB, RESTART_JOB, REFERENCE_JOB = "replay-elastic", "replay-restart", "replay-reference"
 
 
 @dataclass
@@ -106,8 +108,13 @@ class _Nodes:
             self.md.clear()
 
 
+def store_uri(env: ReplayEnv) -> str:
+    """Where every job of the replay checkpoints (the layout keeps jobs apart)."""
+    return f"s3://{env.bucket}/replay"
+
+
 def _submit(nodes: _Nodes, env: ReplayEnv, job: str, max_nodes: int) -> None:
-    nodes.cluster.submit(*env.spec, f"max_nodes={max_nodes}", f"checkpoint=s3://{env.bucket}/replay")
+    nodes.cluster.submit(*env.spec, f"max_nodes={max_nodes}", f"checkpoint={store_uri(env)}")
 
 
 def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Say,
@@ -144,7 +151,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
     """elasticyolo: calibrate steady-state samples/s at 1..max_nodes nodes (one node joining at a
     time, no failures), return to the window's initial world, then replay the plan."""
     say = env.say
-    job = "replay-elastic"
+    job = ELASTIC_JOB
     nodes = _Nodes(env, job, env.workdir / "elasticyolo")
     extra = [f"x{i}" for i in range(1, max_nodes - len(plan.initial_nodes) + 1)]
     ramp = plan.initial_nodes + extra
@@ -213,7 +220,7 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
     the new size (new node names: nothing node-local survives), which restores the newest S3
     checkpoint of the same job."""
     say = env.say
-    job = "replay-restart"
+    job = RESTART_JOB
     nodes = _Nodes(env, job, env.workdir / "checkpoint-restart")
     try:
         for n in plan.initial_nodes:
@@ -236,6 +243,26 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
         t_stop = time.time()
         nodes.stop()
         return SystemRun("checkpoint-restart", t0, nodes.cluster.events(), played, t_stop=t_stop)
+    finally:
+        nodes.stop()
+
+
+def run_reference(env: ReplayEnv, job: str, world: int, max_nodes: int, until_epoch: int, timeout_s: float) -> None:
+    """An uninterrupted run for the accuracy check: `world` nodes, no changes, until the job's
+    checkpoint of epoch `until_epoch`'s end has landed (a later epoch's checkpoint is in etcd)."""
+    nodes = _Nodes(env, job, env.workdir / "reference")
+    try:
+        for i in range(world):
+            nodes.start(f"r{i + 1}")
+        nodes.cluster.wait(lambda: nodes.cluster.leader() is not None, 60, "a leader")
+        _submit(nodes, env, job, max_nodes)
+
+        def landed() -> bool:
+            rec = nodes.cluster.client.get(nodes.cluster.keys.checkpoint_latest)
+            return rec is not None and int(json.loads(rec[0]).get("epoch", -1)) > until_epoch
+
+        wait_for(landed, timeout_s, f"the uninterrupted run past epoch {until_epoch}", interval=1.0,
+                 abort=lambda: "the job failed" if nodes.cluster.job_state() == "failed" else None)
     finally:
         nodes.stop()
 

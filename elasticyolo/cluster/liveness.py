@@ -168,6 +168,12 @@ class LivenessServer:
                 return Verdict.UNKNOWN
             return verdict(peer, self.clock(), self.table.timeout_s)
 
+    def token_of(self, node: str) -> str | None:
+        """The token the node's current connection presented in its hello."""
+        with self._lock:
+            peer = self.table.peers.get(node)
+            return peer.token if peer is not None else None
+
     def lost(self, tokens: dict[str, str] | None = None) -> set[str]:
         """Nodes that must not be offered to the world now (DEAD or SUSPECT); with `tokens`
         (node -> its record's liveness token) only nodes whose connection presented that token."""
@@ -331,7 +337,9 @@ class LivenessClient:
                 try:
                     sock.sendall(b".\n")
                 except OSError:
-                    sock.close()
+                    # Our own decision to drop the connection: say so (best effort), or the leader
+                    # reads a close without `bye` as this agent's death and revokes its lease.
+                    _bye(sock)
                     sock, current, self.connected_to = None, None, None
             with self._cond:
                 if not self._stop:

@@ -34,10 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", dest="plot_out", type=Path, default=None, help="write the PNG timeline here")
     p.add_argument("--workdir", type=Path, default=None, help="data, logs and traces (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.add_argument("--no-accuracy", dest="accuracy", action="store_false",
+                   help="skip the final mAP comparison with an uninterrupted run to the same epoch")
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
     from elasticyolo.chaos.replay import ReplayOptions, run_replay
+
+    # SIGTERM (a `kill`, a CI timeout) stops the replay like Ctrl-C: its clean-up stops every
+    # agent, worker and server it started instead of leaving them running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     opts = ReplayOptions(
         trace=args.trace, nodes=args.nodes, compress=args.compress, start_hour=args.start_hour, hours=args.hours,
@@ -46,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         notice_fraction=args.notice_fraction, seed=args.seed, model=args.model, imgsz=args.imgsz,
         batch=args.batch, train_images=args.train_images, checkpoint_s=args.checkpoint_s,
         calibrate_s=args.calibrate_s, spec=list(args.spec), workdir=args.workdir, keep=args.keep,
+        accuracy=args.accuracy,
     )
     out = run_replay(opts, say=lambda m: print(m, flush=True))
     print(summary(out), flush=True)
@@ -67,4 +77,12 @@ def summary(out: dict) -> str:  # type: ignore[type-arg]
         lines.append(f"projection (whole trace, {p['trace_hours']} h, {p['changes']} changes, uncompressed): "
                      + ", ".join(f"{n} goodput/ideal {s['goodput_vs_ideal']:.3f} (x{s['ratio_vs_baseline']})"
                                  for n, s in p["systems"].items()))
+    acc = out.get("accuracy")
+    if acc and "map50_95_difference" in acc:
+        lines.append(f"accuracy at the end of epoch {acc['epoch']}: mAP50-95 {acc['elasticyolo']['mAP50-95']:.4f} "
+                     f"vs {acc['uninterrupted']['mAP50-95']:.4f} uninterrupted (world {acc['uninterrupted']['world']}): "
+                     f"difference {acc['map50_95_difference']:.4f} "
+                     + ("within" if acc["within_tolerance"] else "NOT within") + f" {acc['tolerance']:g}")
+    elif acc:
+        lines.append(f"accuracy: {acc.get('error') or acc}")
     return "\n".join(lines)

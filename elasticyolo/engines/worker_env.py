@@ -83,6 +83,11 @@ class WorkerEnv:
     def snapshot_dir(self) -> Path | None:
         return Path(self.worker_dir) / "snapshots" if self.worker_dir else None
 
+    @property
+    def run_dir(self) -> Path:
+        """Ultralytics' run folder of this node's workers (engine=torch)."""
+        return Path(self.worker_dir or "runs/elasticyolo") / "run"
+
     def snapshot_period(self, default: float) -> float:
         return default if self.snapshot_period_s is None else self.snapshot_period_s
 

@@ -3,7 +3,7 @@ node's agent (no SSH). Torch-free at import: the agent loads this; `worker_main`
 
 Agent side: `node.py` (launcher, pre-warmed workers, the leader's `driver.py` with etcd
 `discovery.py`). Drain planner: `drain.py` (leave at a commit, or hand over after a quiesce).
-Worker: `worker.py` (`hvd.elastic.run`), `prewarm.py` (warm processes), `quiesce.py`.
+Worker: `worker.py` (`hvd.elastic.run`; warm processes: `engines/prewarm.py`), `quiesce.py`.
 A commit: `state.save()`, snapshot, checkpoint, then Horovod's host-update check, about every
 second of work.
 """
@@ -43,7 +43,7 @@ class HorovodEngine:
             return 0
 
         if options.prewarm_slot is not None:
-            from elasticyolo.engines.horovod.prewarm import serve
+            from elasticyolo.engines.prewarm import serve
 
             return serve(spec, options.prewarm_slot, train)
         return train()

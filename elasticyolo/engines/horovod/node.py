@@ -8,7 +8,6 @@ it never blocks the loop for long. etcd hiccups are logged and retried on the ne
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from elasticyolo.cluster.etcd import EtcdError
 from elasticyolo.engines.base import DrainMode, DrainSituation
 from elasticyolo.engines.horovod.drain import other_serving_slots
 from elasticyolo.engines.node import EngineNode
+from elasticyolo.engines.prewarm import prewarm_enabled
 from elasticyolo.engines.worker_env import node_work_dir
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -27,9 +27,7 @@ if TYPE_CHECKING:
     from elasticyolo.engines.base import Engine
     from elasticyolo.engines.horovod.driver import DriverRunner
     from elasticyolo.engines.horovod.launcher import Launcher
-    from elasticyolo.engines.horovod.prewarm import PrewarmPool
-
-ENV_PREWARM = "ELASTICYOLO_PREWARM"  # "0": start plain workers (no warm pool)
+    from elasticyolo.engines.prewarm import PrewarmPool
 
 
 class HorovodNode(EngineNode):
@@ -42,7 +40,7 @@ class HorovodNode(EngineNode):
         self._finished_key: tuple[int, int] | None = None
         self._generation: int | None = None
         self._pruned = True  # older submissions' directories deleted (once their workers are gone)
-        self.prewarm = (os.environ.get(ENV_PREWARM, "1") != "0") if prewarm is None else prewarm
+        self.prewarm = prewarm_enabled() if prewarm is None else prewarm
         self.log = get_logger("elasticyolo.horovod", node=agent.cfg.node_id, job=agent.cfg.job)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -156,13 +154,13 @@ class HorovodNode(EngineNode):
                 self._stop_pool()
                 agent.set_record_field("ready_slots", None)
             return
-        from elasticyolo.engines.horovod.prewarm import PrewarmPool
+        from elasticyolo.engines.prewarm import PrewarmPool
 
         slots = min(agent.cfg.slots, spec.slots)
         work_dir: Path = self.launcher.work_dir
         if self.pool is None or self.pool.spec_json != spec.to_json() or self.pool.work_dir != work_dir:
             self._stop_pool()
-            self.pool = PrewarmPool(spec.to_json(), slots, work_dir, self.launcher.iface,
+            self.pool = PrewarmPool(spec.to_json(), slots, work_dir, self.launcher.iface_env(),
                                     node=agent.cfg.node_id, job=agent.cfg.job)
             self.launcher.spawner = self.pool
         if self.pool.gave_up:

@@ -3,16 +3,16 @@ the agent loads this; `worker_main` imports torch.
 
 Agent side: `node.py` (one `launcher.py` process per node: torch's `LocalElasticAgent`, the
 `rendezvous.py` backend). Drain planner: stop (torch elastic restarts the world on any change and
-the survivors restore the newest node-local snapshot). Worker: `worker.py`. A commit: snapshot
+the survivors restore the newest node-local snapshot). Worker: `worker.py`, started warm
+(`warm.py`, `engines/prewarm.py`). A commit: snapshot
 (every node, every commit) and checkpoint, about every 2 s of work.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elasticyolo.engines.base import DrainPlan, DrainSituation, WorkerOptions, plan_stop
-from elasticyolo.errors import UserError
 
 if TYPE_CHECKING:
     from elasticyolo.agent.plugin import NodeAPI
@@ -33,13 +33,19 @@ class TorchEngine:
         return plan_stop(situation)
 
     def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int:
-        from elasticyolo.engines.progress import worker_sinks
-        from elasticyolo.engines.torch.worker import main
+        def train(core: Any = None) -> int:
+            from elasticyolo.engines.progress import worker_sinks
+            from elasticyolo.engines.torch.worker import main
+
+            sinks, progress = worker_sinks(options)  # after a warm worker got its environment
+            return main(spec, sinks=sinks, progress=progress, commit_target_s=self.commit_target_s, core=core)
 
         if options.prewarm_slot is not None:
-            raise UserError("engine=torch workers are not pre-warmed (--prewarm-slot is for engine=horovod)")
-        sinks, progress = worker_sinks(options)
-        return main(spec, sinks=sinks, progress=progress, commit_target_s=self.commit_target_s)
+            from elasticyolo.engines import worker_env
+            from elasticyolo.engines.prewarm import serve
+
+            return serve(spec, options.prewarm_slot, train, work_dir=worker_env.read().run_dir)
+        return train()
 
 
 ENGINE = TorchEngine()

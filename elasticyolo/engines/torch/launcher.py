@@ -1,5 +1,7 @@
 """One node's torch elastic agent: `LocalElasticAgent` (through torch's launcher API) on the etcd3
-rendezvous, running `elasticyolo worker` (the torch engine's `worker.py`) in `nproc_per_node` workers.
+rendezvous, running `elasticyolo worker` (the torch engine's `worker.py`) in `nproc_per_node` workers,
+each round's workers warm before the round (`warm.py`): this node joins the rendezvous only once
+its warm workers are ready.
 
 Started by the elasticyolo agent's torch node (`node.py`) as
 `python -m elasticyolo.engines.torch.launcher` with its configuration in the worker environment
@@ -19,11 +21,20 @@ import os
 import signal
 import sys
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines import worker_env
 from elasticyolo.engines.lifeline import die_with_agent
+from elasticyolo.engines.prewarm import PrewarmPool, prewarm_enabled
 from elasticyolo.engines.spawn import worker_command
+from elasticyolo.log import get_logger
+
+if TYPE_CHECKING:
+    from elasticyolo.engines.torch.warm import WarmStarts
+
+log = get_logger("elasticyolo.torch.launcher")
 
 EXIT_CLOSED = 3
 EXIT_SIGTERM = 143
@@ -40,6 +51,8 @@ class LaunchSettings:
     local_addr: str
     max_restarts: int = 1000
     monitor_interval: float = 1.0
+    warm_timeout_s: float = 300.0  # how long warm workers may take to start before plain ones are used
+    warm_refill_delay_s: float = 3.0  # a replacement warm worker waits this long before its imports
     rdzv_conf: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -64,6 +77,26 @@ def _register_etcd3() -> None:
             pass  # already registered
 
 
+def start_warm_pool(settings: LaunchSettings, env: worker_env.WorkerEnv) -> "WarmStarts | None":
+    """One warm worker per slot, ready before this node joins the rendezvous: a joining node
+    then costs the running world no process start, and neither does any later round."""
+    if not prewarm_enabled() or not env.spec_json or not env.worker_dir:
+        return None
+    from elasticyolo.engines.torch.warm import WarmStarts
+
+    pool = PrewarmPool(env.spec_json, settings.nproc_per_node, Path(env.worker_dir),
+                       node=env.node_id, job=env.job)
+    pool.fill()
+    if not pool.wait_ready(settings.warm_timeout_s):
+        # A bad spec or missing data: plain starts make the failure reach the job state.
+        log.warning("warm workers did not start; starting plain workers", timeout_s=settings.warm_timeout_s)
+        pool.close()
+        return None
+    starts = WarmStarts(pool, settings.warm_refill_delay_s)
+    starts.install()
+    return starts
+
+
 def run(settings: LaunchSettings) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -76,8 +109,11 @@ def run(settings: LaunchSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     _register_etcd3()
+    env = worker_env.read()
     conf = {"join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 5, "keep_alive_max_attempt": 3,
             "key_prefix": settings.key_prefix, **settings.rdzv_conf}
+    if env.job and env.node_id:  # rounds follow the cluster's membership (membership.py)
+        conf.update(node_id=env.node_id, nodes_prefix=JobKeys(env.job).nodes)
     config = LaunchConfig(
         min_nodes=settings.min_nodes, max_nodes=settings.max_nodes, nproc_per_node=settings.nproc_per_node,
         run_id=settings.run_id, rdzv_backend="etcd3", rdzv_endpoint=settings.endpoints, rdzv_configs=conf,
@@ -85,7 +121,9 @@ def run(settings: LaunchSettings) -> int:
         local_addr=settings.local_addr, start_method="spawn",
     )
     cmd = worker_command()  # `elasticyolo worker`: the spec (from the environment) says engine=torch
+    warm = None
     try:
+        warm = start_warm_pool(settings, env)
         elastic_launch(config, cmd[0])(*cmd[1:])
     except SignalException:
         return EXIT_SIGTERM
@@ -94,6 +132,9 @@ def run(settings: LaunchSettings) -> int:
     except ChildFailedError as exc:
         print(f"elasticyolo torch launcher: workers failed: {exc}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if warm is not None:
+            warm.pool.close()
     return 0
 
 

@@ -328,6 +328,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         etcd unreachable) this node just stops its heartbeats and leaves the rendezvous open, and
         the node plug-in restarts its launcher, which joins the next round."""
         exc = sys.exc_info()[1]
+        view = getattr(self._state_holder, "view", None)  # membership.py
+        if view is not None:
+            view.unregister(str(self._this_node))
         if exc is not None:
             log.warning("torch agent failed; leaving the rendezvous open for the other nodes",
                         run_id=self._settings.run_id, error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -388,6 +391,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             log.warning("this node is no longer in its rendezvous round; rejoining",
                         run_id=self._settings.run_id, joined_round=joined, round=state.round)
             self._joined_round = None  # warn once; next_rendezvous sets it again
+            return max(waiting, 1)
+        # A participant of this round was removed as dead (membership.py: its node's lease is
+        # gone): restart now rather than when a collective on it fails or times out.
+        gone = self._round_participants.get(joined, frozenset()) - set(state.participants) if joined else set()
+        if gone and not state.closed:
+            log.warning("a participant of this round is gone; restarting the round without it",
+                        run_id=self._settings.run_id, round=joined, gone=sorted(map(str, gone)))
+            self._joined_round = None
             return max(waiting, 1)
         return waiting
 
@@ -465,4 +476,10 @@ def create_handler(params: RendezvousParameters, client: KV | None = None) -> Et
     )
     handler._etcd_backend = backend
     store.abort_check = handler.hopeless_wait
+    node_id, nodes_prefix = params.get("node_id"), params.get("nodes_prefix")
+    if node_id and nodes_prefix:  # run by the agents: rounds follow the cluster's membership
+        from elasticyolo.engines.torch.membership import RendezvousView, use_membership
+
+        use_membership(handler, RendezvousView(backend.client, f"{backend.root}/members/", str(nodes_prefix)),
+                       str(node_id))
     return handler

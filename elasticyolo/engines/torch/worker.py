@@ -1,7 +1,7 @@
 """A torch elastic training worker: the shared training loop on a torch.distributed process group.
 
 Started by torch's `LocalElasticAgent` (see `launcher.py`) as `elasticyolo worker` (dies with
-its launcher). torch elastic restarts the whole world on every membership change, so each start
+its launcher), or handed the round's environment as a warm process (`warm.py`). torch elastic restarts the whole world on every membership change, so each start
 is a resume:
 
 1. init the process group (gloo on CPU, NCCL on GPU) from torch elastic's env;
@@ -129,16 +129,22 @@ def init_process_group(spec: TrainSpec) -> None:
 
 def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] | None,
                sinks: list[ProgressSink] | None = None, progress: EtcdProgress | None = None,
-               commit_target_s: float = 2.0) -> Summary:
+               commit_target_s: float = 2.0, core: TrainCore | None = None) -> Summary:
+    """`core`: built before the round by a warm process (`engines/prewarm.py`), else built here."""
     quiet_ultralytics()
     t_start = time.time()
     init_process_group(spec)
     env = worker_env.read()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    work_dir = Path(env.worker_dir or "runs/elasticyolo") / "run"
-    core = TrainCore(spec, rank=rank, world=world, local_rank=local_rank,
-                     grad_allreduce=make_allreduce(world, spec.fp16_allreduce), work_dir=work_dir)
+    work_dir = env.run_dir
+    if core is None:
+        core = TrainCore(spec, rank=rank, world=world, local_rank=local_rank,
+                         grad_allreduce=make_allreduce(world, spec.fp16_allreduce), work_dir=work_dir)
+    else:
+        core.grad_allreduce = make_allreduce(world, spec.fp16_allreduce)
+        core.progress.world = 0  # built for world 1: the first set_world is not a resize
+        core.set_world(world, rank)
     collectives = TorchCollectives(core.device)
     # Every local rank reads the node's snapshot; only local rank 0 writes it (ranks hold equal state).
     snapshots = LocalSnapshots(snapshot_dir, writer=local_rank == 0,
@@ -194,12 +200,12 @@ def _proc_start() -> float | None:
 
 
 def main(spec: TrainSpec, sinks: list[ProgressSink] | None = None, progress: EtcdProgress | None = None,
-         commit_target_s: float = 2.0) -> int:
+         commit_target_s: float = 2.0, core: TrainCore | None = None) -> int:
     """The worker entry point (`elasticyolo worker` through the engine registry)."""
     env = worker_env.read()
     try:
         run_worker(spec, env.job or "default", env.snapshot_dir, sinks=sinks, progress=progress,
-                   commit_target_s=commit_target_s)
+                   commit_target_s=commit_target_s, core=core)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

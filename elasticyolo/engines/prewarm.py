@@ -1,12 +1,15 @@
-"""Pre-warmed workers: one process per slot that has imported torch/Ultralytics/Horovod and
-built the model and dataset index, waiting for its Horovod environment on stdin.
+"""Pre-warmed workers, for both engines: one process per slot that has imported torch,
+Ultralytics and the engine and built the model, dataset index and loader processes, waiting for
+its distributed environment on stdin.
 
-With stock `horovodrun` a joining host makes every running worker wait in the reset while the
-newcomer imports and scans its dataset (7-12 s here). The agent keeps a warm process per free
-slot and offers the slot to discovery (`ready_slots` in its node record) only once that process
-is ready, so a join costs the running world only the rendezvous and the state sync.
+Starting a worker costs seconds (imports, model, dataset scan: 4-12 s on 2 busy cores). Horovod:
+the agent keeps a warm process per free slot and offers the slot to discovery (`ready_slots` in
+its node record) only once it is ready, so a join costs the running world only the rendezvous and
+the state sync. torch elastic restarts the world on every change: its launcher keeps one warm
+process per slot and hands it the next round's environment instead of starting a new process
+(`engines/torch/warm.py`).
 
-Protocol (worker side `serve()`, agent side `PrewarmPool`): the process prints `READY_LINE`
+Protocol (worker side `serve()`, pool side `PrewarmPool`): the process prints `READY_LINE`
 when warm, then reads one JSON line (environment to add) and trains as a normal worker.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -28,6 +32,14 @@ from elasticyolo.log import get_logger
 
 READY_LINE = "ELASTICYOLO-PREWARM-READY"
 MAX_FAILURES = 3
+ENV_PREWARM = "ELASTICYOLO_PREWARM"  # "0": start plain workers (no warm pool)
+# A replacement warm process waits this long before its imports, so that it does not take the
+# CPU from the worker it replaces while that one restores and takes its first steps.
+ENV_PREWARM_DELAY_S = "ELASTICYOLO_PREWARM_DELAY_S"
+
+
+def prewarm_enabled() -> bool:
+    return os.environ.get(ENV_PREWARM, "1") != "0"
 
 
 # ---- agent side ---------------------------------------------------------------------------
@@ -39,10 +51,13 @@ class WarmProcess:
 
 
 class PrewarmPool:
-    """At most one warm process per slot, spawned only for slots without a running worker."""
+    """At most one warm process per slot, spawned only for slots without a running worker.
+    `extra_env`: added to the warm processes' environment (the engine's network interface)."""
 
-    def __init__(self, spec_json: str, slots: int, work_dir: Path, iface: str, **log_fields: Any) -> None:
-        self.spec_json, self.slots, self.work_dir, self.iface = spec_json, slots, work_dir, iface
+    def __init__(self, spec_json: str, slots: int, work_dir: Path, extra_env: dict[str, str] | None = None,
+                 **log_fields: Any) -> None:
+        self.spec_json, self.slots, self.work_dir = spec_json, slots, work_dir
+        self.extra_env = dict(extra_env or {})
         self.log = get_logger("elasticyolo.prewarm", **log_fields)
         self.warm: dict[int, WarmProcess] = {}
         self.failures = 0  # warm processes that died before READY, in a row
@@ -55,8 +70,10 @@ class PrewarmPool:
         workers start, so the failure reaches the driver and the job state."""
         return self.failures >= MAX_FAILURES
 
-    def fill(self, running_slots: set[int] | None = None) -> None:
-        """Spawn warm processes for free slots (agent loop thread: see engines/lifeline.py)."""
+    def fill(self, running_slots: set[int] | None = None, delay_s: float = 0.0) -> None:
+        """Spawn warm processes for free slots, from a thread that outlives them (the agent's
+        loop thread, the launcher's main thread: see engines/lifeline.py). `delay_s`: they wait
+        this long before importing anything heavy."""
         busy = running_slots if running_slots is not None else set()
         for slot in range(self.slots):
             with self._lock:
@@ -70,7 +87,7 @@ class PrewarmPool:
                     w = None
             if w is not None or slot in busy or self.gave_up or time.monotonic() < self._retry_at:
                 continue
-            env = {**os.environ, "HOROVOD_GLOO_IFACE": self.iface, "GLOO_SOCKET_IFNAME": self.iface}
+            env = {**os.environ, **self.extra_env, ENV_PREWARM_DELAY_S: str(delay_s)}
             proc = spawn(worker_command("--prewarm-slot", str(slot)), env, WorkerEnv(spec_json=self.spec_json),
                          cwd=self.work_dir, stdin=subprocess.PIPE)
             w = WarmProcess(slot, proc)
@@ -79,18 +96,31 @@ class PrewarmPool:
             self.log.info("warming worker", slot=slot, pid=proc.pid)
             threading.Thread(target=self._pump, args=(w,), name=f"prewarm-{slot}", daemon=True).start()
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every slot's process is warm (False: one died or it took too long)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            procs = list(self.warm.values())
+        for w in procs:
+            while not w.ready.wait(0.1):
+                if w.proc.poll() is not None or time.monotonic() > deadline:
+                    return False
+        return len(procs) == self.slots
+
     def ready_slots(self) -> set[int]:
         with self._lock:
             return {s for s, w in self.warm.items() if w.ready.is_set() and w.proc.poll() is None}
 
-    def take(self, slot: int, env: dict[str, str]) -> subprocess.Popen | None:  # type: ignore[type-arg]
-        """Hand the warm process for `slot` its Horovod environment; None if there is none
-        ready for this spec (the launcher then starts a fresh worker)."""
+    def take(self, slot: int, env: dict[str, str], ready_only: bool = True) -> subprocess.Popen | None:  # type: ignore[type-arg]
+        """Hand the warm process for `slot` its environment; None if there is none for this spec
+        (the caller then starts a fresh worker). `ready_only=False`: also one still warming up,
+        which trains as soon as it is warm (sooner than a fresh process would)."""
         with self._lock:
             w = self.warm.get(slot)
-            if w is None or not w.ready.is_set() or w.proc.poll() is not None:
+            if w is None or w.proc.poll() is not None or (ready_only and not w.ready.is_set()):
                 return None
-            self.failures = 0
+            if w.ready.is_set():
+                self.failures = 0
             if env.get(ENV_SPEC) != self.spec_json:
                 return None
             del self.warm[slot]
@@ -121,13 +151,18 @@ class PrewarmPool:
 
 
 # ---- worker side --------------------------------------------------------------------------
-def serve(spec: Any, slot: int, train: Callable[[Any], int]) -> int:
-    """Build the training core, say READY, wait for the Horovod environment, then
+def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.PathLike[str] | None = None) -> int:
+    """Build the training core, say READY, wait for the engine's environment, then
     `train(core)` (the engine's worker entry, once the environment is complete)."""
+    delay = float(os.environ.get(ENV_PREWARM_DELAY_S) or 0)
+    if delay > 0:
+        # Nothing heavy imported yet: a waiting process costs nothing. An environment that
+        # arrives meanwhile (PrewarmPool.take(ready_only=False)) ends the wait.
+        select.select([sys.stdin], [], [], delay)
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
 
     quiet_ultralytics()
-    core = TrainCore(spec, rank=0, world=1, local_rank=slot)
+    core = TrainCore(spec, rank=0, world=1, local_rank=slot, work_dir=work_dir)
     core.loader.wait_ready(timeout=300)  # loader processes up before the slot is offered
     print(READY_LINE, flush=True)
     line = sys.stdin.readline()

@@ -1,0 +1,66 @@
+"""`engines/torch/membership.py` decisions: the torch rendezvous follows the cluster's membership."""
+
+from __future__ import annotations
+
+from elasticyolo.engines.torch.membership import Member, decide
+
+M = {"h_1_0": Member("a", 10), "h_2_0": Member("b", 11), "h_3_0": Member("c", 12)}
+
+
+def step(participants: set[str], known: set[str], live: set[str], members: dict[str, Member] = M,
+         complete: bool = False, deadline_set: bool = True, min_nodes: int = 1):  # type: ignore[no-untyped-def]
+    return decide(participants=participants, known=known, complete=complete, deadline_set=deadline_set,
+                  min_nodes=min_nodes, members=members, live_nodes=live)
+
+
+def test_a_dead_nodes_participant_expires_and_the_survivors_complete_at_once() -> None:
+    # c's agent died (its lease revoked): a and b re-joined; nobody else can come.
+    d = step({"h_1_0", "h_2_0"}, {"h_1_0", "h_2_0", "h_3_0"}, live={"a", "b"})
+    assert d.expire == {"h_3_0"} and d.complete_now
+
+
+def test_the_round_waits_for_a_live_node_that_has_not_joined_yet() -> None:
+    d = step({"h_1_0"}, {"h_1_0", "h_2_0"}, live={"a", "b", "c"})
+    assert not d.expire and not d.complete_now
+
+
+def test_a_joiner_in_the_wait_list_is_waited_for_then_completes() -> None:
+    members = {**M, "h_4_0": Member("d", 20)}
+    known = {"h_1_0", "h_2_0", "h_4_0"}
+    assert not step({"h_1_0", "h_2_0"}, known, {"a", "b", "d"}, members).complete_now
+    assert step({"h_1_0", "h_2_0", "h_4_0"}, known, {"a", "b", "d"}, members).complete_now
+
+
+def test_a_restarted_launcher_supersedes_its_older_self() -> None:
+    members = {**M, "h_9_0": Member("b", 30)}  # b's launcher restarted: new pid, newer revision
+    d = step({"h_1_0", "h_9_0"}, {"h_1_0", "h_2_0", "h_9_0"}, {"a", "b"}, members)
+    assert d.expire == {"h_2_0"} and d.complete_now
+
+
+def test_unknown_participants_keep_torchs_rules() -> None:
+    # A participant with no member key (plain torchrun) is never expired and blocks early completion.
+    d = step({"h_1_0", "x_5_0"}, {"h_1_0", "x_5_0"}, live={"a"})
+    assert not d.expire and not d.complete_now
+
+
+def test_nothing_to_do_before_min_nodes_without_deadline_or_when_complete() -> None:
+    assert not step({"h_1_0"}, {"h_1_0"}, {"a"}, min_nodes=2).complete_now
+    assert not step({"h_1_0"}, {"h_1_0"}, {"a"}, deadline_set=False).complete_now
+    assert not step({"h_1_0"}, {"h_1_0"}, {"a"}, complete=True).complete_now
+
+
+def test_a_live_launcher_not_yet_in_the_state_is_expected() -> None:
+    # d's launcher registered (its workers are warm) but has not reached the wait list yet.
+    members = {**M, "h_4_0": Member("d", 20)}
+    d = step({"h_1_0", "h_2_0", "h_3_0"}, {"h_1_0", "h_2_0", "h_3_0"}, {"a", "b", "c", "d"}, members)
+    assert not d.complete_now
+
+
+def test_the_first_round_expects_every_live_node() -> None:
+    # At the job's start, a node still warming up (no member key yet) is waited for (until the last call).
+    start = decide(participants={"h_1_0", "h_2_0"}, known={"h_1_0", "h_2_0"}, complete=False, deadline_set=True,
+                   min_nodes=1, members=M, live_nodes={"a", "b", "c"}, first_round=True)
+    assert not start.complete_now
+    later = decide(participants={"h_1_0", "h_2_0"}, known={"h_1_0", "h_2_0"}, complete=False, deadline_set=True,
+                   min_nodes=1, members={k: M[k] for k in ("h_1_0", "h_2_0")}, live_nodes={"a", "b", "c"})
+    assert later.complete_now  # c's launcher is not in the rendezvous: not waited for
