@@ -2,7 +2,8 @@
 # Build a Horovod 0.28.1 wheel (PyTorch + Gloo; NCCL on a GPU VM) against the torch in $PY's venv.
 # The PyPI sdist does not build against torch 2.14 as is (see README "Horovod build"): we patch
 # the C++ standard (top level 17 so gloo links, torch extension 20 for torch's headers) and, on a
-# CPU machine, force the "torch has CUDA" probe off. One fix to the bundled gloo (below).
+# CPU machine, force the "torch has CUDA" probe off. One fix to the bundled gloo and one to Horovod's
+# process-set device (below).
 # Usage: build_horovod.sh PYTHON OUT_DIR
 set -euo pipefail
 PY=${1:?python}; OUT=${2:?out dir}
@@ -44,6 +45,32 @@ new = """  for (auto& op : tx_) {
   }"""
 if text.count(old) != 1:
     sys.exit("build_horovod: gloo unbound-send patch did not apply")
+open(path, "w").write(text.replace(old, new))
+EOF
+
+# Horovod: a process set's Gloo device (the global set's too) takes the interface of its own, never
+# set, context and so binds to whatever the host name resolves to (127.0.1.1 on a stock Debian
+# node) instead of HOROVOD_GLOO_IFACE: multi-host collectives then fail with "connect refused".
+# It must use the global context's interface (found by tests/test_partition.py, nodes in netns).
+"$PY" - "$src/horovod/common/gloo/gloo_context.cc" <<'EOF'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+old = """  attr device_attr;
+  device_attr.iface = gloo_iface_;
+  device_attr.ai_family = AF_UNSPEC;
+  auto dev = CreateDevice(device_attr);
+
+  global_ctx = global_context.ctx;"""
+new = """  gloo_iface_ = global_context.gloo_iface_;
+  attr device_attr;
+  device_attr.iface = gloo_iface_;
+  device_attr.ai_family = AF_UNSPEC;
+  auto dev = CreateDevice(device_attr);
+
+  global_ctx = global_context.ctx;"""
+if text.count(old) != 1:
+    sys.exit("build_horovod: process-set interface patch did not apply")
 open(path, "w").write(text.replace(old, new))
 EOF
 

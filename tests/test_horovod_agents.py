@@ -118,6 +118,8 @@ def test_agent_killed_world_shrinks_then_new_agent_grows_it(cluster: AgentCluste
     assert len({e["step"] for e in resumes}) == 1
     digests = [e["params_digest"] for e in resumes]
     assert max(digests) == pytest.approx(min(digests), rel=1e-9), "ranks hold different parameters after the sync"
+    momenta = [e["optimizer_digest"] for e in resumes]
+    assert max(momenta) == pytest.approx(min(momenta), rel=1e-9), "ranks hold different optimizer state after the sync"
     world = c.world()
     assert "d" in world["ranks"] and victim not in world["ranks"]
 

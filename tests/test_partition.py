@@ -136,8 +136,8 @@ def test_a_leader_acts_on_liveness_only_while_etcd_answers() -> None:
     assert excluded_hosts({"a", "b"}, {"a", "c"}, False) == {"a"}
 
 
-# Slow (about 2.5 minutes on a 2-core box: worker warm-ups, two lease expiries, two rejoins).
-@pytest.mark.slow
+# About 1-2 minutes on a 2-core box (worker warm-ups, two lease expiries, two rejoins); in
+# `make test` (issue 11).
 def test_partition_and_heal(lab: Lab, dataset: Path) -> None:
     net, c = lab.net, lab.cluster
     for n in NODES:

@@ -6,10 +6,11 @@ has a default route: with one end in the root namespace, a cut link would send t
 to the machine's default route, off the machine. A cut sets the bridge-side end of a member's
 veth down (inside the hub); a heal sets it up again.
 
-Inside a member's namespace the machine's host name resolves to the member's address (an
-`/etc/netns/<ns>/hosts` that `ip netns exec` mounts over /etc/hosts), as on a real node: Horovod's
-process-set Gloo context ignores HOROVOD_GLOO_IFACE and binds to whatever the host name resolves
-to (here 127.0.0.1, which would be each namespace's own loopback).
+Inside a member's namespace the machine's host name resolves to loopback (an
+`/etc/netns/<ns>/hosts` that `ip netns exec` mounts over /etc/hosts), as Debian's 127.0.1.1 line
+does on a real node: stock Horovod 0.28.1 bound its process sets' Gloo device to that address
+instead of HOROVOD_GLOO_IFACE, so the partition test also proves our Horovod build's fix
+(scripts/build_horovod.sh).
 
 Names carry a random tag per lab, so the leftovers of a crashed run never collide with the next;
 `close()` kills what still runs in the lab's namespaces and deletes them (and their hosts files).
@@ -88,7 +89,7 @@ class NetLab:
         self._ip(ns, "link", "set", IFACE, "up")
         etc = NETNS_ETC / ns
         etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+        (etc / "hosts").write_text(f"127.0.0.1 localhost {socket.gethostname()}\n")
         member = Member(name, ns, addr, link)
         self.members[name] = member
         return member

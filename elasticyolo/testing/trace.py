@@ -7,6 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from elasticyolo.chaos.measure import committed_records
+
 
 def read_trace(directory: str | Path) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
@@ -22,12 +24,13 @@ def read_trace(directory: str | Path) -> list[dict[str, Any]]:
 
 
 def final_step_records(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The step records that make up the committed history: for each step number, the latest
+    """The step records that make up the committed history: steps no later resume rolled back
+    (chaos/measure.py's rule: a world that restored an older state redoes that work, maybe at
+    another world size and so under other step numbers), and for each step number the latest
     execution (grouped by epoch, start position and world size), one record per rank."""
     by_step: dict[int, dict[tuple[int, int, int], list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for e in events:
-        if e["ev"] == "step":
-            by_step[e["step"]][(e["epoch"], e["start"], e["world"])].append(e)
+    for e in committed_records(events):
+        by_step[e["step"]][(e["epoch"], e["start"], e["world"])].append(e)
     out: list[dict[str, Any]] = []
     for step in sorted(by_step):
         groups = by_step[step]

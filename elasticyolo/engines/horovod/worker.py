@@ -18,6 +18,7 @@ from typing import Any
 import elasticyolo.train  # noqa: F401  (offline Ultralytics before anything imports it)
 import horovod.torch as hvd
 import torch
+from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
@@ -25,6 +26,7 @@ from elasticyolo.engines import worker_env
 from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.horovod.abort import ABORT, CollectiveAborter, abort_collectives
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
+from elasticyolo.engines.horovod.state_sync import apply_plain, broadcast_flat, signature, state_tensors
 from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
@@ -64,13 +66,28 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
     def sync(self) -> None:
         # After a failure every survivor restored its own last commit; when all ranks hold the
         # same one (the usual case: a newcomer or a rank a commit behind differs) the broadcast
-        # of model, optimizer and EMA from rank 0 (~1.5 s on 2 busy cores) changes nothing: skip it.
+        # of model, optimizer and EMA from rank 0 changes nothing: skip it. Otherwise, when the
+        # tensors line up on every rank, one flat broadcast per dtype (state_sync.py).
+        if hvd.size() == 1:
+            return
+        t0 = time.perf_counter()
+        tensors, plain = state_tensors([self.net, self.ema], self.opt)
         mine = (sorted(self.progress.items()), self.ema_updates, params_digest(self.net),
-                optimizer_state_digest(self.opt.state_dict()))
-        if hvd.size() > 1 and all(other == mine for other in hvd.allgather_object(mine, name="sync.same")):
+                optimizer_state_digest(self.opt.state_dict()), signature(tensors))
+        everyone = hvd.allgather_object(mine, name="sync.same")
+        if all(other == mine for other in everyone):
             log.info("state already identical on every rank; sync skipped", step=self.progress.get("step"))
             return
-        super().sync()
+        if all(other[-1] == mine[-1] for other in everyone):
+            broadcast_flat(tensors, root=0)
+            apply_plain(self.opt, hvd.broadcast_object(plain, root_rank=0, name="sync.plain"))
+            ObjectState.sync(self)  # progress, AMP scaler, EMA update count
+            how = "flat"
+        else:
+            super().sync()
+            how = "tensor by tensor"
+        log.info("state synced from rank 0", how=how, tensors=len(tensors), step=self.progress.get("step"),
+                 seconds=round(time.perf_counter() - t0, 3))
 
     def restore(self) -> None:
         # Our collective failed: stop the peers that still wait on us at once, before the reset
