@@ -199,3 +199,15 @@ def test_stretch_rates_skip_the_steps_after_a_change() -> None:
     ev += [_step(9.0 + 0.5 * i, 9 + i, r, 2, [20 + 2 * i + r]) for i in range(8) for r in (0, 1)]  # 4 samples/s
     got = stretch_rates(ev, 0.0, 100.0)
     assert got[1] == pytest.approx(1.0) and got[2] == pytest.approx(4.0)
+
+
+def test_a_fast_ranks_first_step_is_not_rolled_back_by_a_slow_peers_resume() -> None:
+    # World 3 resumes at step 37; rank 0 records step 38 (before the all-reduce) ahead of rank 2's
+    # resume of the same round. A later failure that restores step 38 at world 2 keeps step 38.
+    resume = lambda t, step, world, pid: {"ev": "resume", "t": t, "step": step, "rank": 0, "world": world,  # noqa: E731
+                                          "pid": pid}
+    s = lambda t, step, world, pid: {**_step(t, step, 0, world, [step]), "pid": pid}  # noqa: E731
+    ev = [s(1.0, 37, 2, 10), resume(2.0, 37, 3, 10), s(2.1, 38, 3, 10), resume(2.2, 37, 3, 30), s(2.3, 38, 3, 30),
+          s(3.0, 39, 3, 10), resume(4.0, 38, 2, 10), s(4.5, 39, 2, 10)]
+    kept = [(e["t"], e["step"]) for e in committed_records(ev)]
+    assert kept == [(1.0, 37), (2.1, 38), (2.3, 38), (4.5, 39)]  # 39 at world 3 was rolled back

@@ -1,7 +1,8 @@
 """Figures from the workers' JSONL traces (`train/loop.py` TraceWriter), pure over the events.
 
 * committed samples: step records inside the replay window that no later `resume` rolled back
-  (a resume at step s discards the steps above s recorded before it);
+  (a resume at step s discards the steps above s recorded before it, but not those of its own
+  round: `committed_records`);
 * lost samples: every other step record inside the window (executions a rollback or a restart
   threw away);
 * pauses: per trace change, the longest stretch without a step that ends after the change (and
@@ -30,20 +31,38 @@ def step_records(events: Sequence[Event]) -> list[Event]:
 
 def committed_records(events: Sequence[Event], until: float = float("inf")) -> list[Event]:
     """Step records never rolled back: a `resume` at step s (a reset's rollback, a restore from a
-    snapshot or checkpoint) discards every step above s recorded before it. Resumes after `until`
-    (the runner's shutdown) do not count."""
-    resumes = sorted((e["t"], e["step"]) for e in events if e.get("ev") == "resume" and e["t"] <= until)
-    # floor[i]: the lowest step any resume at or after resumes[i] went back to.
-    floor = [0] * len(resumes)
-    low = None
+    snapshot or checkpoint) discards every step above s recorded before it, except those of its
+    own round. A rank writes its step record before the step's all-reduce (train/loop.py), so a
+    fast rank's first step of a new world can precede a slow peer's resume of that same world:
+    a record by a worker whose own latest resume was at step s into world w is not discarded by
+    a resume at step s into world w. Resumes after `until` (the runner's shutdown) do not count."""
+    resumes = sorted((e["t"], e["step"], e.get("world")) for e in events
+                     if e.get("ev") == "resume" and e["t"] <= until)
+    # Per suffix of `resumes`: the lowest step, and the lowest step of another round (step, world).
+    Best = tuple[float, tuple[Any, Any] | None]
+    inf = float("inf")
+    suffix: list[tuple[Best, Best]] = [((inf, None), (inf, None))] * (len(resumes) + 1)
     for i in range(len(resumes) - 1, -1, -1):
-        low = resumes[i][1] if low is None else min(low, resumes[i][1])
-        floor[i] = low
-    times = [t for t, _ in resumes]
+        _, step, world = resumes[i]
+        first, second = suffix[i + 1]
+        cand: Best = (step, (step, world))
+        if cand[0] < first[0] or first[1] is None:
+            first, second = cand, (first if first[1] != cand[1] else second)
+        elif cand[1] != first[1] and cand[0] < second[0]:
+            second = cand
+        suffix[i] = (first, second)
+    times = [t for t, _, _ in resumes]
+    own: dict[Any, tuple[Any, Any]] = {}  # pid -> (step, world) of its latest resume so far
     out = []
-    for e in step_records(events):
-        i = bisect.bisect_right(times, e["t"])
-        if i == len(times) or e["step"] <= floor[i]:
+    for e in sorted(events, key=lambda e: e["t"]):
+        if e.get("ev") == "resume" and e["t"] <= until:
+            own[e.get("pid")] = (e["step"], e.get("world"))
+            continue
+        if e.get("ev") != "step":
+            continue
+        first, second = suffix[bisect.bisect_right(times, e["t"])]
+        floor = second[0] if first[1] is not None and first[1] == own.get(e.get("pid")) else first[0]
+        if e["step"] <= floor:
             out.append(e)
     return out
 
