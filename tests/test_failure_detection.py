@@ -67,21 +67,6 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def worker_of(c: AgentCluster, node: str) -> int:
-    """The training worker pid (a rank in the current world) under `node`'s agent."""
-    agent = c.agents[node].proc
-    assert agent is not None
-    for pid in pids_by_rank(c.events()).values():
-        try:
-            if psutil.Process(pid).ppid() == agent.pid:
-                return pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no training worker under {node}")
-
-
-def steps_after(c: AgentCluster, t: float, world: int) -> list[dict]:
-    return [e for e in c.events() if e["ev"] == "step" and e["t"] > t and e["world"] == world and e["rank"] == 0]
 
 
 # About a minute; in `make test` (issue 11). It used to fail in about 2 of 5 runs: a survivor sat
@@ -96,7 +81,7 @@ def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, da
     c.submit("model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
              "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
              "gloo_timeout_s=30", "cooldown_s=1,2")
-    c.wait(lambda: len(steps_after(c, 0, 3)) >= 2, START_S, "steps at world size 3")
+    c.wait(lambda: len(c.rank0_steps_after(0, 3)) >= 2, START_S, "steps at world size 3")
     leader = c.leader()
     x, y = [n for n in ("a", "b", "c") if n != leader]
     agent_x = c.agents[x].proc
@@ -104,11 +89,11 @@ def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, da
 
     # 1. Only x's agent freezes: its worker keeps running. The world drops x and trains on; the
     #    leader's and y's workers are the same processes before and after (nobody was stopped).
-    healthy = {worker_of(c, leader), worker_of(c, y)}
-    orphan = worker_of(c, x)
+    healthy = {c.worker_of(leader), c.worker_of(y)}
+    orphan = c.worker_of(x)
     os.kill(agent_x.pid, signal.SIGSTOP)
     t1 = time.time()
-    c.wait(lambda: steps_after(c, t1, 2), STEP_S, "world 2 without the node whose agent froze")
+    c.wait(lambda: c.rank0_steps_after(t1, 2), STEP_S, "world 2 without the node whose agent froze")
     assert x in c.nodes(), "the lease expired first: the heartbeat timeout did not decide"
     assert set(pids_by_rank([e for e in c.events() if e["t"] > t1]).values()) == healthy
     assert all(psutil.pid_exists(p) for p in healthy)
@@ -119,15 +104,15 @@ def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, da
     # 2. It was wrongly suspected: thawed, it comes back and the world grows to 3 again.
     os.kill(agent_x.pid, signal.SIGCONT)
     t2 = time.time()
-    c.wait(lambda: steps_after(c, t2, 3), START_S, "the thawed node back in the world")
+    c.wait(lambda: c.rank0_steps_after(t2, 3), START_S, "the thawed node back in the world")
     assert healthy <= set(pids_by_rank(c.events()).values()), "a healthy worker was replaced"
 
     # 3. Process death: SIGKILL of y's agent (its worker dies with it). World 2 before y's lease
     #    could have ended; the leader revoked that lease at once (agent/dead_nodes.py).
     t3 = time.time()
     c.kill(y)
-    c.wait(lambda: steps_after(c, t3, 2), STEP_S, "world 2 after the agent's death")
-    assert steps_after(c, t3, 2)[0]["t"] - t3 < TTL, "the lease expired first: the closed connection did not decide"
+    c.wait(lambda: c.rank0_steps_after(t3, 2), STEP_S, "world 2 after the agent's death")
+    assert c.rank0_steps_after(t3, 2)[0]["t"] - t3 < TTL, "the lease expired first: the closed connection did not decide"
     c.wait(lambda: y not in c.nodes(), 5, "the dead agent's lease revoked by the leader")
 
     # 4. x's whole node freezes (agent, worker, loader processes: no socket closes). The leader's
@@ -137,7 +122,7 @@ def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, da
         _signal(p, signal.SIGSTOP)
     t4 = time.time()
     try:
-        c.wait(lambda: steps_after(c, t4, 1), STEP_S, "world 1 after the whole node froze")
+        c.wait(lambda: c.rank0_steps_after(t4, 1), STEP_S, "world 1 after the whole node froze")
         assert x in c.nodes(), "the lease expired first: the heartbeat timeout did not decide"
         assert time.time() - t4 < 30, "the world waited out Gloo's timeout"
     finally:

@@ -81,21 +81,6 @@ def lab(job_name: str, tmp_path: Path) -> Iterator[Lab]:
         yield Lab(net, c)
 
 
-def steps_after(c: AgentCluster, t: float, world: int) -> list[dict[str, Any]]:
-    return [e for e in c.events() if e["ev"] == "step" and e["t"] > t and e["world"] == world and e["rank"] == 0]
-
-
-def worker_of(c: AgentCluster, node: str) -> int:
-    """The training worker pid (a rank in the current world) under `node`'s agent."""
-    agent = c.agents[node].proc
-    assert agent is not None
-    for pid in pids_by_rank(c.events()).values():
-        try:
-            if psutil.Process(pid).ppid() == agent.pid:
-                return pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no training worker under {node}")
 
 
 def worker_pids(c: AgentCluster, node: str) -> set[int]:
@@ -146,16 +131,16 @@ def test_partition_and_heal(lab: Lab, dataset: Path) -> None:
     c.submit("model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
              "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
              "gloo_timeout_s=30", "cooldown_s=1,2")
-    c.wait(lambda: len(steps_after(c, 0, 3)) >= 2, START_S, "steps at world size 3")
+    c.wait(lambda: len(c.rank0_steps_after(0, 3)) >= 2, START_S, "steps at world size 3")
     leader = c.leader()
     assert leader is not None
     x, y = [n for n in NODES if n != leader]
 
     # 1. Cut a non-leader: the leader and y train on at world 2, with the same workers.
-    healthy = {worker_of(c, leader), worker_of(c, y)}
+    healthy = {c.worker_of(leader), c.worker_of(y)}
     net.cut(x)
     t1 = time.time()
-    first = c.wait(lambda: steps_after(c, t1, 2), STEP_S, f"world 2 without the cut node {x}")[0]
+    first = c.wait(lambda: c.rank0_steps_after(t1, 2), STEP_S, f"world 2 without the cut node {x}")[0]
     cut_to_world2 = first["t"] - t1
     assert cut_to_world2 < 30, "the world waited out Gloo's timeout instead of the heartbeat timeout"
     assert set(pids_by_rank([e for e in c.events() if e["t"] > t1]).values()) == healthy
@@ -166,7 +151,7 @@ def test_partition_and_heal(lab: Lab, dataset: Path) -> None:
     # 2. Heal: x comes back and the world grows to 3 again.
     net.heal(x)
     t2 = time.time()
-    first = c.wait(lambda: steps_after(c, t2, 3), START_S, f"the healed node {x} back in the world")[0]
+    first = c.wait(lambda: c.rank0_steps_after(t2, 3), START_S, f"the healed node {x} back in the world")[0]
     heal_to_world3 = first["t"] - t2
 
     # 3. Cut the leader. The majority (x, y and etcd) elects a new leader after the ex-leader's
@@ -180,7 +165,7 @@ def test_partition_and_heal(lab: Lab, dataset: Path) -> None:
     new_leader = c.wait(lambda: (lambda l: l if l not in (None, ex) else None)(c.leader()), 3 * TTL + STEP_S,
                         "a new leader on the majority side")
     assert ex not in c.nodes(), "a new leader while the ex-leader's lease was still there"
-    first = c.wait(lambda: steps_after(c, t3, 2), STEP_S + START_S, "world 2 under the new leader")[0]
+    first = c.wait(lambda: c.rank0_steps_after(t3, 2), STEP_S + START_S, "world 2 under the new leader")[0]
     leader_cut_to_resume = first["t"] - t3
     world = c.world()
     assert world.get("leader") == new_leader and world.get("term", 0) > old_term[1], world
@@ -188,7 +173,7 @@ def test_partition_and_heal(lab: Lab, dataset: Path) -> None:
     # 4. Heal: the ex-leader rejoins as a normal node, and the world is 3 again.
     net.heal(ex)
     t4 = time.time()
-    first = c.wait(lambda: steps_after(c, t4, 3), START_S, f"the ex-leader {ex} back in the world")[0]
+    first = c.wait(lambda: c.rank0_steps_after(t4, 3), START_S, f"the ex-leader {ex} back in the world")[0]
     heal_leader_to_world3 = first["t"] - t4
     assert c.leader() == new_leader
     assert c.nodes()[ex].get("leader") is False

@@ -124,6 +124,22 @@ class AgentCluster:
     def pid_of_rank(self, rank: int) -> int:
         return pids_by_rank(self.events())[rank]
 
+    def rank0_steps_after(self, t: float, world: int) -> list[dict[str, Any]]:
+        """Rank 0's step records after `t` in a world of `world` ranks."""
+        return [e for e in self.steps(world) if e["t"] > t and e["rank"] == 0]
+
+    def worker_of(self, node: str) -> int:
+        """The training worker pid (a rank in the current world) under `node`'s agent."""
+        agent = self.agents[node].proc
+        assert agent is not None
+        for pid in pids_by_rank(self.events()).values():
+            try:
+                if psutil.Process(pid).ppid() == agent.pid:
+                    return pid
+            except psutil.NoSuchProcess:
+                continue
+        raise AssertionError(f"no training worker under {node}")
+
     def wait(self, condition: Any, timeout: float, what: str) -> Any:
         return wait_for(condition, timeout, what, interval=0.1)
 

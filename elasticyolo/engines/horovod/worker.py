@@ -270,8 +270,11 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: T
         first_entry[0] = False
         trace.write("resume", rank=core.rank, world=core.world, step=core.progress.step,
                     epoch=core.progress.epoch, consumed=core.progress.consumed, lr_scale=core.current_lr_scale(),
-                    accumulate=core.scaling.accumulate, params_digest=params_digest(core.model),
-                    optimizer_digest=optimizer_state_digest(core.optimizer.state_dict()))
+                    accumulate=core.scaling.accumulate,
+                    # Digests cost a pass over every tensor: only for a trace (tests, benches).
+                    **({"params_digest": params_digest(core.model),
+                        "optimizer_digest": optimizer_state_digest(core.optimizer.state_dict())}
+                       if trace.enabled else {}))
         log.info("training", rank=core.rank, world=core.world, epoch=core.progress.epoch, step=core.progress.step)
         checkpointer.rank = core.rank
         checkpointer.sinks = list(sinks or []) if core.rank == 0 else []

@@ -159,7 +159,8 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
                     lr_scale=core.current_lr_scale(), accumulate=core.scaling.accumulate,
                     node=env.node_id, local_rank=local_rank,
                     restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    params_digest=params_digest(core.model), proc_start=_proc_start(), run_start=t_start)
+                    proc_start=_proc_start(), run_start=t_start,
+                    **({"params_digest": params_digest(core.model)} if trace.enabled else {}))
         log.info("training", rank=rank, world=world, epoch=core.progress.epoch, step=core.progress.step,
                  source=restored.source)
         if rank == 0 and progress is not None:
