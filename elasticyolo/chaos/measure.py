@@ -36,34 +36,26 @@ def committed_records(events: Sequence[Event], until: float = float("inf")) -> l
     fast rank's first step of a new world can precede a slow peer's resume of that same world:
     a record by a worker whose own latest resume was at step s into world w is not discarded by
     a resume at step s into world w. Resumes after `until` (the runner's shutdown) do not count."""
-    resumes = sorted((e["t"], e["step"], e.get("world")) for e in events
+    Round = tuple[int, Any]  # (step resumed at, world size)
+    resumes = sorted((e["t"], (e["step"], e.get("world"))) for e in events
                      if e.get("ev") == "resume" and e["t"] <= until)
-    # Per suffix of `resumes`: the lowest step, and the lowest step of another round (step, world).
-    Best = tuple[float, tuple[Any, Any] | None]
-    inf = float("inf")
-    suffix: list[tuple[Best, Best]] = [((inf, None), (inf, None))] * (len(resumes) + 1)
+    # lowest[i]: the two rounds with the lowest steps among resumes[i:] (two different rounds, so
+    # that the lowest one other than a record's own round is at hand).
+    lowest: list[list[Round]] = [[] for _ in range(len(resumes) + 1)]
     for i in range(len(resumes) - 1, -1, -1):
-        _, step, world = resumes[i]
-        first, second = suffix[i + 1]
-        cand: Best = (step, (step, world))
-        if cand[0] < first[0] or first[1] is None:
-            first, second = cand, (first if first[1] != cand[1] else second)
-        elif cand[1] != first[1] and cand[0] < second[0]:
-            second = cand
-        suffix[i] = (first, second)
-    times = [t for t, _, _ in resumes]
-    own: dict[Any, tuple[Any, Any]] = {}  # pid -> (step, world) of its latest resume so far
+        later = lowest[i + 1]
+        rnd = resumes[i][1]
+        lowest[i] = later if rnd in later else sorted([rnd, *later], key=lambda r: r[0])[:2]
+    times = [t for t, _ in resumes]
+    own: dict[Any, Round] = {}  # pid -> the round of its latest resume so far
     out = []
     for e in sorted(events, key=lambda e: e["t"]):
         if e.get("ev") == "resume" and e["t"] <= until:
             own[e.get("pid")] = (e["step"], e.get("world"))
-            continue
-        if e.get("ev") != "step":
-            continue
-        first, second = suffix[bisect.bisect_right(times, e["t"])]
-        floor = second[0] if first[1] is not None and first[1] == own.get(e.get("pid")) else first[0]
-        if e["step"] <= floor:
-            out.append(e)
+        elif e.get("ev") == "step":
+            others = [r for r in lowest[bisect.bisect_right(times, e["t"])] if r != own.get(e.get("pid"))]
+            if not others or e["step"] <= others[0][0]:
+                out.append(e)
     return out
 
 

@@ -1,8 +1,8 @@
 """A torch elastic training worker: the shared training loop on a torch.distributed process group.
 
 Started by torch's `LocalElasticAgent` (see `launcher.py`) as `elasticyolo worker` (dies with
-its launcher), or handed the round's environment as a warm process (`warm.py`). torch elastic restarts the whole world on every membership change, so each start
-is a resume:
+its launcher), or handed the round's environment as a warm process (`warm.py`). torch elastic
+restarts the whole world on every membership change, so each start is a resume:
 
 1. init the process group (gloo on CPU, NCCL on GPU) from torch elastic's env;
 2. the newest state in the world: every node's local snapshot and the checkpoint store's latest
