@@ -14,7 +14,7 @@ Under the agents both are known sooner:
   writes it only once its warm workers are ready (`launcher.py`), so no round waits for a node
   that is still starting, and deletes it when it stops.
 
-`RendezvousView.decide` (pure) turns that into actions on torch's state: participants of a gone
+`decide` (pure) turns that into actions on torch's state: participants of a gone
 node are expired at once (torch's own sanitizer then removes them; the running nodes then
 restart their round at once, `EtcdRendezvousHandler.num_nodes_waiting`), and a round whose
 participants are every live node that is in the rendezvous is completed now instead of at
@@ -120,6 +120,7 @@ class MembershipStateHolder(_BackendRendezvousStateHolder):
     """torch's state holder, plus `decide` applied after every sync (before torch's sanitizer)."""
 
     view: RendezvousView | None = None
+    expired: frozenset[str] = frozenset()  # participants expired because their node is gone
 
     def _sanitize(self) -> None:
         view, state = self.view, self._state
@@ -137,6 +138,7 @@ class MembershipStateHolder(_BackendRendezvousStateHolder):
         super()._sanitize()
 
     def _apply(self, state: Any, d: Decision) -> None:
+        self.expired = self.expired | d.expire
         for node in list(state.last_heartbeats):
             if str(node) in d.expire:
                 log.info("rendezvous participant's node is gone; dropping it now", participant=str(node))

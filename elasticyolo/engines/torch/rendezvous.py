@@ -392,9 +392,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                         run_id=self._settings.run_id, joined_round=joined, round=state.round)
             self._joined_round = None  # warn once; next_rendezvous sets it again
             return max(waiting, 1)
-        # A participant of this round was removed as dead (membership.py: its node's lease is
-        # gone): restart now rather than when a collective on it fails or times out.
-        gone = self._round_participants.get(joined, frozenset()) - set(state.participants) if joined else set()
+        # A participant of this round was removed because its node is gone (membership.py: its
+        # lease is gone): restart now rather than when a collective on it fails or times out. (One
+        # dropped by torch's own heartbeat expiry rejoins by itself, above.)
+        expired = getattr(self._state_holder, "expired", frozenset())
+        gone = {p for p in self._round_participants.get(joined, frozenset()) - set(state.participants)
+                if str(p) in expired} if joined is not None else set()
         if gone and not state.closed:
             log.warning("a participant of this round is gone; restarting the round without it",
                         run_id=self._settings.run_id, round=joined, gone=sorted(map(str, gone)))
