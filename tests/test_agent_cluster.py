@@ -52,6 +52,9 @@ def test_join_kill_member_kill_leader(etcd_server: EtcdCluster, job_name: str, a
     assert sum(n["leader"] for n in view["nodes"]) == 1 and view["leader"] in by_id
     assert all(n["state"] == "IDLE" and n["lease_ttl_s"] is not None and 0 <= n["lease_ttl_s"] <= TTL
                for n in view["nodes"])
+    # Registered with no warm worker: Horovod's discovery is offered no slot of theirs yet (an
+    # absent field would offer every slot, and a join would stall the world for the warm-up).
+    assert all(rec.get("ready_slots") == 0 for rec in nodes_in_etcd(e, job_name).values())
 
     with LeaderMonitor(e, job_name) as monitor:
         # 2. SIGKILL a non-leader: its node leaves status within TTL + 2 s

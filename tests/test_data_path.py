@@ -125,3 +125,28 @@ def test_a_batch_is_the_same_whichever_process_builds_it_and_however_often(tmp_p
     finally:
         for c in cores:
             c.close()
+
+
+def test_warm_up_leaves_no_trace_and_the_first_batch_is_the_planned_one(tmp_path: Path) -> None:
+    """A pre-warmed worker's warm-up (`TrainCore.warm_up`: a batch from each loader process, a
+    forward and backward pass) changes no weight, buffer or optimizer state, leaves no gradient
+    and no loader counter, and the first real request still gets its own planned batch."""
+    import torch
+
+    quiet_ultralytics()
+    data = write_dataset(tmp_path / "d", SynthSpec(train=16, val=4, imgsz=64, classes=2))
+    core = TrainCore(spec_for(data, "workers=2", "mosaic=0", "val=false"), work_dir=tmp_path / "run")
+    try:
+        before = {k: v.clone() for k, v in core.model.state_dict().items()}
+        core.warm_up()
+        after = core.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(p.grad is None for p in core.model.parameters())
+        assert not core.optimizer.state_dict()["state"]
+        assert core.loader.stats.batches == 0 and core.data_wait_s == 0.0
+        assert core.model.criterion is not None  # built by the warm-up pass, not the first step
+        b = core.load_batch(core.sampler.shard(0, 1))
+        assert b is not None and b["indices"] == core.sampler.shard(0, 1)
+        assert core.loader.stats.inline == 0
+    finally:
+        core.close()

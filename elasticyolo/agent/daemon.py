@@ -33,6 +33,7 @@ from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegis
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.config import AgentConfig
 from elasticyolo.cost import NodePrice, load_price_table, resolve_price
+from elasticyolo.engines.prewarm import prewarm_enabled
 from elasticyolo.errors import UnavailableError, UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
@@ -78,7 +79,11 @@ class Agent:
             node_id=cfg.node_id, host=cfg.host, addr=cfg.addr, slots=cfg.slots, state=self.state.value,
             preemptible=cfg.preemptible, instance_type=cfg.instance_type, zone=cfg.zone,
             price_per_hour=price.per_hour, agent_version=__version__, started_at=time.time(),
-            pid=os.getpid(), extra={"on_demand_per_hour": price.on_demand_per_hour, "price_source": price.source},
+            pid=os.getpid(), extra={"on_demand_per_hour": price.on_demand_per_hour, "price_source": price.source,
+                                    # Nothing is warm yet: without this, Horovod's discovery would
+                                    # offer every slot until the engine's pool reports (a join
+                                    # then stalls the world for the whole warm-up).
+                                    **({"ready_slots": 0} if prewarm_enabled() else {})},
         )
         self.registration = NodeRegistration(self.client, self.keys, self.record, cfg.ttl,
                                              on_lease_lost=self.wake, on_renew=self.metrics.observe_renew,

@@ -1,6 +1,7 @@
 """Pre-warmed workers, for both engines: one process per slot that has imported torch,
-Ultralytics and the engine and built the model, dataset index and loader processes, waiting for
-its distributed environment on stdin.
+Ultralytics and the engine, built the model, dataset index and loader processes, run one warm-up
+pass (`TrainCore.warm_up`) and the engine's own preparation (Horovod: `worker.prepare_worker`),
+waiting for its distributed environment on stdin.
 
 Starting a worker costs seconds (imports, model, dataset scan: 4-12 s on 2 busy cores). Horovod:
 the agent keeps a warm process per free slot and offers the slot to discovery (`ready_slots` in
@@ -151,9 +152,12 @@ class PrewarmPool:
 
 
 # ---- worker side --------------------------------------------------------------------------
-def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.PathLike[str] | None = None) -> int:
+def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.PathLike[str] | None = None,
+          prepare: Callable[[Any], Any] | None = None) -> int:
     """Build the training core, say READY, wait for the engine's environment, then
-    `train(core)` (the engine's worker entry, once the environment is complete)."""
+    `train(core)` (the engine's worker entry, once the environment is complete). `prepare(core)`:
+    the engine's own work that needs no environment, done before READY; `train` then gets what
+    it returns instead of the core."""
     delay = float(os.environ.get(ENV_PREWARM_DELAY_S) or 0)
     if delay > 0:
         # Nothing heavy imported yet: a waiting process costs nothing. An environment that
@@ -163,6 +167,8 @@ def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.
 
     quiet_ultralytics()
     core = TrainCore(spec, rank=0, world=1, local_rank=slot, work_dir=work_dir)
+    core.warm_up()  # its first step would otherwise stall the world it joins
+    ready = prepare(core) if prepare is not None else core
     core.loader.wait_ready(timeout=300)  # loader processes up before the slot is offered
     print(READY_LINE, flush=True)
     line = sys.stdin.readline()
@@ -172,4 +178,4 @@ def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.
     from elasticyolo.engines.lifeline import die_with_agent
 
     die_with_agent()  # the same agent, re-checked
-    return train(core)
+    return train(ready)

@@ -21,18 +21,29 @@ from elasticyolo.train.state import build_core_checkpoint, load_core_checkpoint
 log = get_logger("elasticyolo.checkpointing")
 
 
+def open_checked_store(spec: TrainSpec, write: bool) -> Any:
+    """The spec's checkpoint store (None without one), checked: one clear line for a bad URI,
+    bucket or credentials (`write`: also a missing write permission)."""
+    if not spec.checkpoint:
+        return None
+    # The job's S3 options (SSE, endpoint, region, profile), else the agent's (env).
+    store = open_store(spec.checkpoint, **s3_options(spec.checkpoint, spec))
+    store.check(write=write)
+    return store
+
+
 class Checkpointer:
-    def __init__(self, spec: TrainSpec, job: str, rank: int, sinks: list[Callable[[dict[str, Any]], None]] | None = None
-                 ) -> None:
+    """`store`: opened and checked beforehand (`open_checked_store`, e.g. by a pre-warmed worker
+    before it has a rank), else opened here, with a write check on rank 0."""
+
+    def __init__(self, spec: TrainSpec, job: str, rank: int, sinks: list[Callable[[dict[str, Any]], None]] | None = None,
+                 store: Any = None) -> None:
         self.job, self.rank = job, rank
         self.sinks = sinks or []  # progress sinks: told {"kind": "checkpoint", ...} when one lands
         self._published_step = -1
         self.manager: CheckpointManager | None = None
-        self.store: Any = None
-        if spec.checkpoint:
-            # The job's S3 options (SSE, endpoint, region, profile), else the agent's (env).
-            self.store = open_store(spec.checkpoint, **s3_options(spec.checkpoint, spec))
-            self.store.check(write=rank == 0)  # one clear line for a bad URI, bucket or credentials
+        self.store: Any = store if store is not None else open_checked_store(spec, write=rank == 0)
+        if self.store is not None:
             self.manager = CheckpointManager(
                 self.store, job, save_period_steps=spec.save_period_steps, save_period_s=spec.save_period_s,
                 keep_last=spec.keep_last, keep_epochs=spec.keep_epochs,

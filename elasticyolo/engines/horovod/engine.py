@@ -34,18 +34,19 @@ class HorovodEngine:
         return drain.plan_drain(situation)
 
     def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int:
-        def train(core: Any = None) -> int:
+        def train(prepared: Any = None) -> int:
             from elasticyolo.engines.horovod.worker import run_worker
             from elasticyolo.engines.progress import worker_sinks
 
             sinks, progress = worker_sinks(options)  # after a warm worker got its environment
-            run_worker(spec, sinks=sinks, core=core, progress=progress, commit_target_s=self.commit_target_s)
+            run_worker(spec, sinks=sinks, prepared=prepared, progress=progress, commit_target_s=self.commit_target_s)
             return 0
 
         if options.prewarm_slot is not None:
+            from elasticyolo.engines.horovod.worker import prepare_worker
             from elasticyolo.engines.prewarm import serve
 
-            return serve(spec, options.prewarm_slot, train)
+            return serve(spec, options.prewarm_slot, train, prepare=lambda core: prepare_worker(spec, core))
         return train()
 
 

@@ -10,9 +10,10 @@ sample of an epoch is trained twice or skipped (counting committed work only). A
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import elasticyolo.train  # noqa: F401  (offline Ultralytics before anything imports it)
@@ -30,7 +31,7 @@ from elasticyolo.engines.horovod.state_sync import apply_plain, broadcast_flat, 
 from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
-from elasticyolo.train.checkpointing import Checkpointer
+from elasticyolo.train.checkpointing import Checkpointer, open_checked_store
 from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics
 from elasticyolo.train.digest import optimizer_state_digest, params_digest
@@ -191,13 +192,41 @@ def load_core_from_state(core: TrainCore, state: Any) -> None:
     core.sync_sampler_from_progress()
 
 
-def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: TrainCore | None = None,
+@dataclass
+class PreparedWorker:
+    """What a worker builds before it has a world (a pre-warmed worker: before it is offered). A
+    joiner gets its environment only once the running world has stopped at the reset for it, so
+    everything here would otherwise be part of that world's pause."""
+
+    core: TrainCore
+    state: AlwaysSyncTorchState
+    store: Any  # the spec's checkpoint store, checked (None without one)
+
+
+def prepare_worker(spec: TrainSpec, core: TrainCore | None = None, local_rank: int = 0) -> PreparedWorker:
+    if core is None:
+        core = TrainCore(spec, rank=0, world=1, local_rank=local_rank)
+        core.warm_up()
+    prime_optimizer_state(core.optimizer)
+    # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
+    state = AlwaysSyncTorchState(
+        model=None, optimizer=None, opt=core.optimizer, net=core.model, ema=core.ema.ema,
+        progress=asdict(core.progress), scaler=core.scaler.state_dict(), ema_updates=core.ema.updates,
+    )
+    # Any node may come to hold rank 0, which writes the checkpoints: check writing everywhere.
+    return PreparedWorker(core, state, open_checked_store(spec, write=True))
+
+
+def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepared: PreparedWorker | None = None,
                progress: EtcdProgress | None = None, commit_target_s: float = 1.0) -> Summary | None:
-    """`core`: built before `hvd.init()` by a pre-warmed worker (prewarm.py), else built here.
+    """`prepared`: by a pre-warmed worker (prewarm.py), else built here, before `hvd.init()`.
     `progress`: the etcd sink (also among `sinks`), which takes the resume records.
     `commit_target_s`: seconds of work between commits (`engine.py`)."""
     quiet_ultralytics()
     env = worker_env.read()
+    if prepared is None:
+        prepared = prepare_worker(spec, local_rank=int(os.environ.get("HOROVOD_LOCAL_RANK") or 0))
+    core, state = prepared.core, prepared.state
     hvd.init()
     compression = hvd.Compression.fp16 if spec.fp16_allreduce else hvd.Compression.none
 
@@ -208,32 +237,28 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, core: T
         for g, r in zip(grads, reduced):
             g.copy_(r)
 
-    if core is None:
-        core = TrainCore(spec, rank=hvd.rank(), world=hvd.size(), local_rank=hvd.local_rank(), grad_allreduce=allreduce)
-    else:
-        core.grad_allreduce = allreduce
-        core.progress.world = 0  # built for world 1: the first set_world is not a resize
-        core.set_world(hvd.size(), hvd.rank())
+    core.grad_allreduce = allreduce
+    core.progress.world = 0  # built for world 1: the first set_world is not a resize
+    core.set_world(hvd.size(), hvd.rank())
+    checkpointer = Checkpointer(spec, env.job or "default", hvd.rank(), sinks=sinks if hvd.rank() == 0 else None,
+                                store=prepared.store)
     collectives = HorovodCollectives()
     snapshots = LocalSnapshots(env.snapshot_dir, writer=hvd.local_rank() == 0,
                                period_s=env.snapshot_period(SNAPSHOT_PERIOD_S))
-    checkpointer = Checkpointer(spec, env.job or "default", hvd.rank(), sinks=sinks if hvd.rank() == 0 else None)
-    if env.restore:
-        # A freshly started world (e.g. after leader loss): the newest snapshot or checkpoint.
-        restore_newest(core, snapshots, collectives, checkpointer)
-    elif hvd.rank() == 0:
-        # A fresh process holding rank 0 is a cold start (Horovod keeps rank 0 on the oldest
-        # surviving host): the newest checkpoint, handed to every rank by the first sync.
-        checkpointer.restore_into(core)
-    prime_optimizer_state(core.optimizer)
+    if env.restore or hvd.rank() == 0:
+        if env.restore:
+            # A freshly started world (e.g. after leader loss): the newest snapshot or checkpoint.
+            restore_newest(core, snapshots, collectives, checkpointer)
+        else:
+            # A fresh process holding rank 0 is a cold start (Horovod keeps rank 0 on the oldest
+            # surviving host): the newest checkpoint, handed to every rank by the first sync.
+            checkpointer.restore_into(core)
+        prime_optimizer_state(core.optimizer)
+        store_core_into_state(core, state)
+        state.save()  # what was restored is the first rollback point
     trace = TraceWriter()
     # Ultralytics' run folder on rank 0's node, published next to the checkpoints.
     run_folder = ClusterRunFolder(core, env.job or "default", checkpointer.store, Path(core.work_dir))
-    # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
-    state = AlwaysSyncTorchState(
-        model=None, optimizer=None, opt=core.optimizer, net=core.model, ema=core.ema.ema,
-        progress=asdict(core.progress), scaler=core.scaler.state_dict(), ema_updates=core.ema.updates,
-    )
 
     def on_reset() -> None:
         state.aborter.settled()
