@@ -141,6 +141,22 @@ def test_measure_counts_rollbacks_pauses_and_coverage() -> None:
     assert fig.changes[0].lost_samples == 2 and fig.changes[0].first_step_s == pytest.approx(2.0)
 
 
+def test_the_runners_shutdown_after_the_last_change_is_not_its_pause() -> None:
+    """The last change's pause may run past the window, up to when the runner began stopping the
+    cluster (`until`): the stop's own drains and restarts (a gap of 8 s here) are nobody's pause."""
+    tr = parse_trace("0,2\n10000,1\n20000,1\n", "m.csv")
+    tl = timeline(tr, check_window(tr, 0.0, 20 / 3600), nodes=2, compress=1)
+    ev = [_step(0.5 + i, 1 + i, 0, 2, [2 * i], start=2 * i) for i in range(20)]  # one step a second
+    ev += [_step(20.5, 21, 0, 2, [0], epoch=1), _step(21.5, 22, 0, 2, [1], epoch=1, start=1),
+           _step(29.0, 23, 0, 2, [2], epoch=1, start=2)]  # the runner began stopping at 22
+    fig = measure(ev, t_start=0.0, tl=tl, rates={1: 1.0, 2: 2.0}, num_samples=40,
+                  change_kinds=["kill_no_notice"], change_delays=[0.0], until=22.0)
+    assert fig.pause_s == [pytest.approx(0.0)]
+    unbounded = measure(ev, t_start=0.0, tl=tl, rates={1: 1.0, 2: 2.0}, num_samples=40,
+                        change_kinds=["kill_no_notice"], change_delays=[0.0])
+    assert unbounded.pause_s == [pytest.approx(6.5)]
+
+
 def test_a_restore_discards_later_steps_even_if_never_redone() -> None:
     # A restart restored step 2 (a checkpoint) at t=10; steps 3..5 done before it are lost even
     # though the new world never got as far as re-executing them.

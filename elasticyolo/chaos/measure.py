@@ -209,9 +209,10 @@ def measure(events: Sequence[Event], *, t_start: float, tl: ReplayTimeline, rate
     for i, c in enumerate(tl.changes):
         lo = wall[i]
         # A pause ends at the next step, or at the next change (which then owns the rest); the last
-        # change's pause may run past the window (the runner keeps going until training resumes).
-        hi = wall[i + 1] if i + 1 < len(wall) else float("inf")
-        bounded = [t_start] + [t for t in all_times if t >= t_start]
+        # change's pause may run past the window (the runner keeps going until training resumes),
+        # but not past `until`: the runner's own stopping of the cluster is no change's pause.
+        hi = wall[i + 1] if i + 1 < len(wall) else until
+        bounded = [t_start] + [t for t in all_times if t_start <= t <= until]
         if i + 1 == len(wall) and (not bounded or bounded[-1] <= lo):
             bounded.append(t_end)
         # Only the part after this change is its pause (an earlier change owns what came before).

@@ -8,6 +8,7 @@ run, and last the figures, the projection, the JSON and the plot.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import tempfile
@@ -147,8 +148,12 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     # Epoch-end checkpoints come on top of the periodic ones; few steps per epoch would hand the
     # baseline extra checkpoints, hence the default of 512 images.
     ckpt_live_s = o.checkpoint_s / o.compress
+    # One global batch at every world size 1..K (accumulation follows the world): an optimizer step
+    # is the same whatever the trace does, so the accuracy check's two runs, at the same epoch,
+    # have taken the same steps.
+    nbs = o.batch * math.lcm(*range(1, o.nodes + 1))
     spec = [f"model={o.model}", f"data={data}", "epochs=100000", f"imgsz={o.imgsz}", f"batch={o.batch}",
-            f"nbs={o.batch}", "warmup_epochs=0", "close_mosaic=0", "val=false", "amp=false", "workers=0",
+            f"nbs={nbs}", "policy=constant_global_batch", "warmup_epochs=0", "close_mosaic=0", "val=false", "amp=false", "workers=0",
             f"engine={o.engine}", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4",
             "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", "keep_epochs=true", *o.spec]
     out: dict[str, Any] = {
