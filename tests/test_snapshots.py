@@ -162,3 +162,36 @@ def test_store_ahead_of_every_node_is_loaded_by_rank_0_and_sent(tmp_path: Path) 
     got = run_world(cores, [LocalSnapshots(tmp_path / "n0"), LocalSnapshots(tmp_path / "n1")], [store, None])
     assert [(g.source, g.step) for g in got] == [("store", 20), ("store", 20)] and store.restored == 1
     assert all(c.progress.step == 20 and torch.equal(c.model.weight, cores[0].model.weight) for c in cores)
+
+
+def test_sigterm_waits_for_the_snapshot_being_written_then_exits(tmp_path: Path) -> None:
+    """torch elastic stops a worker with SIGTERM for its next round: the snapshot in flight lands
+    first (the restarted world resumes from the newest commit), even with the main thread blocked."""
+    import signal
+    import subprocess
+    import sys
+
+    marker = tmp_path / "landed"
+    child = f"""
+import threading, time
+from pathlib import Path
+from elasticyolo.train.snapshots import finish_snapshot_on_sigterm
+
+class SlowWrite:  # a snapshot still being written when the signal comes
+    def flush(self, timeout=None):
+        time.sleep(0.5)
+        Path({str(marker)!r}).write_text("ok")
+        return True
+
+assert finish_snapshot_on_sigterm(SlowWrite())
+print("ready", flush=True)
+threading.Event().wait()  # the main thread blocked (as in a collective)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+        assert marker.read_text() == "ok"
+    finally:
+        proc.kill()

@@ -42,7 +42,7 @@ from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
 from elasticyolo.train.digest import params_digest
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
-from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
+from elasticyolo.train.snapshots import LocalSnapshots, finish_snapshot_on_sigterm, restore_newest
 
 log = get_logger("elasticyolo.torch.worker")
 
@@ -149,6 +149,8 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
     # Every local rank reads the node's snapshot; only local rank 0 writes it (ranks hold equal state).
     snapshots = LocalSnapshots(snapshot_dir, writer=local_rank == 0,
                                period_s=env.snapshot_period(SNAPSHOT_PERIOD_S)) if snapshot_dir else None
+    if snapshots is not None:
+        finish_snapshot_on_sigterm(snapshots)
     checkpointer = Checkpointer(spec, job, rank, sinks=sinks if rank == 0 else None)
     trace = TraceWriter()
     try:
