@@ -153,7 +153,8 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     # have taken the same steps.
     nbs = o.batch * math.lcm(*range(1, o.nodes + 1))
     spec = [f"model={o.model}", f"data={data}", "epochs=100000", f"imgsz={o.imgsz}", f"batch={o.batch}",
-            f"nbs={nbs}", "policy=constant_global_batch", "warmup_epochs=0", "close_mosaic=0", "val=false", "amp=false", "workers=0",
+            f"nbs={nbs}", "policy=constant_global_batch", "warmup_epochs=0", "close_mosaic=0", "val=false",
+            "amp=false", "workers=0",
             f"engine={o.engine}", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4",
             "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", "keep_epochs=true", *o.spec]
     out: dict[str, Any] = {

@@ -36,8 +36,8 @@ class Checkpointer:
     """`store`: opened and checked beforehand (`open_checked_store`, e.g. by a pre-warmed worker
     before it has a rank), else opened here, with a write check on rank 0."""
 
-    def __init__(self, spec: TrainSpec, job: str, rank: int, sinks: list[Callable[[dict[str, Any]], None]] | None = None,
-                 store: Any = None) -> None:
+    def __init__(self, spec: TrainSpec, job: str, rank: int,
+                 sinks: list[Callable[[dict[str, Any]], None]] | None = None, store: Any = None) -> None:
         self.job, self.rank = job, rank
         self.sinks = sinks or []  # progress sinks: told {"kind": "checkpoint", ...} when one lands
         self._published_step = -1

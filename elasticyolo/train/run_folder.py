@@ -139,14 +139,11 @@ class RunFolder:
         self._pending.append(self._writer.submit(self._write_epoch, csv, weights, improved, finished))
 
     def _write_epoch(self, csv: str, weights: Any, improved: bool, finished: int) -> None:
-        from elasticyolo.checkpoint.format import serialize
+        from elasticyolo.train.state import write_checkpoint_file
 
         try:
             _atomic_write(self.csv, csv.encode())
-            tmp = self.last_pt.with_name(f".{self.last_pt.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as fh:
-                serialize(weights, fh)
-            os.replace(tmp, self.last_pt)
+            write_checkpoint_file(weights, self.last_pt)
             if improved or not self.best_pt.exists():
                 _copy(self.last_pt, self.best_pt)
             if self.spec.save_period > 0 and finished % self.spec.save_period == 0:

@@ -46,7 +46,6 @@ log = get_logger("elasticyolo.snapshots")
 SNAPSHOT_FILE = "state.pt"
 
 
-
 # ---- format ------------------------------------------------------------------------------------
 def write_snapshot(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """Atomic and durable: a crash at any point leaves the previous snapshot or this one."""
@@ -180,6 +179,7 @@ def finish_snapshot_on_sigterm(snapshots: "LocalSnapshots", timeout_s: float = 5
 
     threading.Thread(target=watch, name="sigterm-snapshot", daemon=True).start()
     return True
+
 
 # ---- restore -----------------------------------------------------------------------------------
 @dataclass

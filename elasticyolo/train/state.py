@@ -6,7 +6,8 @@ Two shapes:
   hand it to each other; it is cheap because nothing is deep-copied as a module.
 * `build_core_checkpoint(core)` / `load_core_checkpoint(core, ckpt)`: the Ultralytics-compatible
   checkpoint of `elasticyolo.checkpoint.format` (`YOLO(path)` loads it), with the progress
-  record in its `resume` section. `save_checkpoint_file(core, path)` writes one.
+  record in its `resume` section. `save_checkpoint_file(core, path)` writes one
+  (`write_checkpoint_file(ckpt, path)`: one already built).
 
 Loading never changes the world size: callers call `core.set_world(world, rank)` afterwards, which
 applies the rescaling policy (and starts the LR ramp when the saved world differs).
@@ -132,11 +133,16 @@ def load_core_checkpoint(core: "TrainCore", ckpt: Mapping[str, Any]) -> None:
 
 def save_checkpoint_file(core: "TrainCore", path: str | os.PathLike[str]) -> None:
     """Write `core` as a `.pt` that `ultralytics.YOLO(path)` loads (and elasticyolo resumes)."""
+    write_checkpoint_file(build_core_checkpoint(core), path)
+
+
+def write_checkpoint_file(ckpt: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write a `build_core_checkpoint` dict to `path`, atomically (a temp file, then a rename)."""
     from elasticyolo.checkpoint.format import serialize
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as fh:
-        serialize(build_core_checkpoint(core), fh)
+        serialize(ckpt, fh)
     os.replace(tmp, path)
