@@ -45,7 +45,7 @@ from elasticyolo.testing.trace import read_trace
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4"
-MONITOR = "0.3"
+MONITOR = "0.1"  # torchrun's default (and the agents')
 ALL = ("elasticyolo", "torchrun-c10d", "torchrun-c10d-noshare")
 
 

@@ -46,6 +46,8 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
                                      "limit": EVENTS_SCANNED, "sort_order": "DESCEND", "sort_target": "KEY"}})
     ranges.append({"request_range": {"key": b64(keys.resume)}})
     ranges.append({"request_range": {"key": b64(keys.billing), "range_end": b64(prefix_range_end(keys.billing))}})
+    ranges.append({"request_range": {"key": b64(keys.suspects), "range_end": b64(prefix_range_end(keys.suspects)),
+                                     "keys_only": True}})
     result = client.txn([], ranges, [])
     responses = result.get("responses") or []
     values: dict[str, tuple[Any, int] | None] = {}
@@ -67,6 +69,9 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     billing = [b for kv in (responses[len(_SINGLE_KEYS) + 3].get("response_range", {}).get("kvs") or []
                             if len(responses) > len(_SINGLE_KEYS) + 3 else [])
                if isinstance(b := _json(_unb64(kv.get("value"))), dict)]
+    suspects = {_unb64(kv["key"]).decode()[len(keys.suspects):]
+                for kv in (responses[len(_SINGLE_KEYS) + 4].get("response_range", {}).get("kvs") or []
+                           if len(responses) > len(_SINGLE_KEYS) + 4 else [])}
 
     leader_v = values["leader"]
     leader_id = leader_v[0].get("node_id") if leader_v and isinstance(leader_v[0], dict) else None
@@ -91,6 +96,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
         nodes.append({
             "id": node_id,
             "state": rec.get("state", "?"),
+            "suspect": node_id in suspects,  # no heartbeat to the leader within the timeout
             "slots": rec.get("slots"),
             "ranks": world_ranks.get(node_id, rec.get("ranks") or []),
             "leader": node_id == leader_id,
@@ -308,7 +314,8 @@ def node_rows(view: dict[str, Any]) -> list[list[str]]:
     for n in view["nodes"]:
         ttl = n["lease_ttl_s"]
         rows.append([
-            n["id"], _fmt(n["state"]), _fmt(n["slots"]), _fmt(n["ranks"]), "*" if n["leader"] else "",
+            n["id"], _fmt(n["state"]) + (" (no heartbeat)" if n.get("suspect") else ""), _fmt(n["slots"]),
+            _fmt(n["ranks"]), "*" if n["leader"] else "",
             "-" if ttl is None else ("expired" if ttl < 0 else f"{ttl}s"), _ago(n["age_s"]),
             _notice_text(n["notice"]), "-" if n["price_per_hour"] is None else f"{n['price_per_hour']:.3f}",
             _usd(n.get("spent_usd")),

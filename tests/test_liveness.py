@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from elasticyolo.cluster.etcd import b64
 from elasticyolo.cluster.liveness import LivenessClient, LivenessServer, PeerTable, Verdict, changed, verdict
 from elasticyolo.engines.horovod.failures import SlotFacts, slot_outcome
 from elasticyolo.testing.agents import ELASTICYOLO
@@ -93,6 +94,7 @@ def test_slot_outcome_suspect_waits_for_the_reset() -> None:
 # ---- executor: real sockets --------------------------------------------------------------------
 CLIENT = """
 import sys, time
+from elasticyolo.cluster.etcd import b64
 from elasticyolo.cluster.liveness import LivenessClient
 c = LivenessClient(sys.argv[1], 0.05, lambda: 0).start()
 c.follow(sys.argv[2])
@@ -202,7 +204,7 @@ def test_a_connection_without_the_nodes_token_cannot_drop_it() -> None:
         server.stop()
 
 
-# ---- the leader revokes a dead agent's lease (agent/dead_nodes.py) ------------------------------
+# ---- the leader revokes a dead agent's lease, publishes a suspect (agent/dead_nodes.py) ---------
 def test_only_a_dead_connection_with_the_records_token_revokes_as_leader() -> None:
     from elasticyolo.agent.dead_nodes import lease_to_revoke
 
@@ -216,9 +218,17 @@ def test_only_a_dead_connection_with_the_records_token_revokes_as_leader() -> No
     assert lease_to_revoke(Verdict.DEAD, "t1", rec, 0, leader=True) is None
 
 
+def test_only_a_leader_publishes_suspects_and_takes_them_back_when_it_stops_leading() -> None:
+    from elasticyolo.agent.dead_nodes import suspect_writes
+
+    assert suspect_writes({"a", "b"}, {"b", "c"}, leader=True) == ({"a"}, {"c"})
+    assert suspect_writes({"a"}, set(), leader=False) == (set(), set())
+    assert suspect_writes({"a"}, {"a", "c"}, leader=False) == (set(), {"a", "c"})
+
+
 def test_leader_revokes_a_killed_agents_lease_at_once(etcd_server: Any) -> None:
     """Real etcd, a real liveness connection from a process that is SIGKILLed."""
-    from elasticyolo.agent.dead_nodes import DeadNodeReaper
+    from elasticyolo.agent.dead_nodes import VerdictPublisher
     from elasticyolo.cluster.etcd import EtcdClient
     from elasticyolo.cluster.keys import JobKeys
 
@@ -227,7 +237,7 @@ def test_leader_revokes_a_killed_agents_lease_at_once(etcd_server: Any) -> None:
     lease = client.lease_grant(60)
     client.put(keys.node("x"), json.dumps({"liveness_token": "tok"}), lease=lease)
     server = LivenessServer("127.0.0.1", timeout_s=5).start()
-    reaper = DeadNodeReaper(client, keys, server, is_leader=lambda: True).start()
+    reaper = VerdictPublisher(client, keys, server, is_leader=lambda: True).start()
     code = CLIENT.replace("lambda: 0)", "lambda: 0, token='tok')")
     child = subprocess.Popen([sys.executable, "-c", code, "x", server.endpoint], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -242,4 +252,52 @@ def test_leader_revokes_a_killed_agents_lease_at_once(etcd_server: Any) -> None:
     finally:
         child.kill()
         reaper.stop()
+        server.stop()
+
+
+def test_leader_publishes_a_frozen_agent_as_suspect_until_it_beats_again(etcd_server: Any) -> None:
+    """Real etcd, a real liveness connection from a process that is SIGSTOPped, then continued:
+    the suspect key appears at the heartbeat timeout (under the leader's lease, fenced by its
+    term) and goes with the next heartbeat; a connection with another token is never published."""
+    from elasticyolo.agent.dead_nodes import VerdictPublisher
+    from elasticyolo.cluster.etcd import EtcdClient
+    from elasticyolo.cluster.keys import JobKeys
+
+    client = EtcdClient(etcd_server.endpoints)
+    keys = JobKeys("suspects")
+    node_lease, leader_lease = client.lease_grant(60), client.lease_grant(60)
+    client.put(keys.node("x"), json.dumps({"liveness_token": "tok"}), lease=node_lease)
+    client.put(keys.node("y"), json.dumps({"liveness_token": "real"}), lease=node_lease)
+    term = client.put(keys.leader, json.dumps({"node_id": "L"}), lease=leader_lease)
+    fence = {"key": b64(keys.leader), "result": "EQUAL", "target": "MOD", "mod_revision": str(term)}
+    server = LivenessServer("127.0.0.1", timeout_s=0.5).start()
+    publisher = VerdictPublisher(client, keys, server, is_leader=lambda: True, fence=lambda: fence,
+                                 lease=lambda: leader_lease, node_id="L").start()
+    procs = []
+    for node, token in (("x", "tok"), ("y", "spoofed")):
+        code = CLIENT.replace("lambda: 0)", f"lambda: 0, token={token!r})")
+        procs.append(subprocess.Popen([sys.executable, "-c", code, node, server.endpoint], stdout=subprocess.PIPE,
+                                      text=True, env={**os.environ, "PYTHONPATH": str(REPO)}))
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        wait_for(lambda: server.verdict("x") is Verdict.ALIVE and server.verdict("y") is Verdict.ALIVE, 20,
+                 "both connected")
+        for p in procs:
+            p.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_for(lambda: client.get(keys.suspect("x")) is not None, 5, "the frozen agent published as a suspect")
+        assert time.monotonic() - t0 < 2, "at the heartbeat timeout, not at the lease's 60 s"
+        assert client.lease_of(keys.suspect("x")) == leader_lease
+        assert client.get(keys.node("x")) is not None, "a suspect's lease is never revoked"
+        wait_for(lambda: server.verdict("y") is Verdict.SUSPECT, 5, "the spoofing connection suspected")
+        publisher.reconcile()
+        assert client.get(keys.suspect("y")) is None, "its token is not the record's"
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+        wait_for(lambda: client.get(keys.suspect("x")) is None, 5, "beats again: no longer a suspect")
+    finally:
+        for p in procs:
+            p.kill()
+        publisher.stop()
         server.stop()

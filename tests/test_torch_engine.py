@@ -1,12 +1,15 @@
 """engine=torch end to end: real `elasticyolo agent` processes (each one node with one slot) run
 torch's LocalElasticAgent on the etcd3 rendezvous; the workers train a real YOLO model on
-generated data. Scenarios: SIGKILL one of two agents mid-epoch, a third node joins, the job runs
+generated data. Scenarios: SIGKILL one of two agents mid-epoch, a third node joins, a node frozen
+then thawed, the job runs
 to the end with a checkpoint store and a resubmission resumes from the store, an etcd member dies.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -54,7 +57,7 @@ class TorchJob:
         self.trace_dir = tmp / "trace"
         self.agents: dict[str, AgentProcess] = {}
         self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_WORK_DIR": str(tmp / "nodes"),
-                    "ELASTICYOLO_TORCH_RDZV_CONF": RDZV_CONF, "ELASTICYOLO_TORCH_MONITOR_INTERVAL": "0.3",
+                    "ELASTICYOLO_TORCH_RDZV_CONF": RDZV_CONF,
                     "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
 
     def submit(self, pairs: list[str], replace: bool = False) -> None:
@@ -182,6 +185,49 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     for epoch in range(done_epochs):
         assert sorted(cov[epoch]) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"
     print(f"\nTIMING torch engine kill_to_next_step={kill_to_step:.2f}s join_to_next_step={join_to_step:.2f}s")
+
+
+def test_a_frozen_node_leaves_at_the_heartbeat_timeout_and_rejoins_when_thawed(etcd_server, job_name, dataset,
+                                                                             jobs) -> None:
+    """A whole node frozen (SIGSTOP of its agent and every process under it: nothing is closed).
+    Its lease (10 s) cannot be what decides: the leader publishes it as a suspect at the heartbeat
+    timeout (2 s) and the survivor's round restarts without it. Thawed, it was wrongly suspected:
+    it rejoins and the world is 2 again; every finished epoch trained each sample once."""
+    from elasticyolo.status import collect
+
+    job = jobs(etcd_server.endpoints, job_name, ttl=10)
+    job.submit(spec_pairs(dataset, epochs=200))
+    job.start("a")
+    job.wait(lambda: job.client.get(job.keys.leader), 30, "a leads")  # the frozen node is not the leader
+    b = job.start("b")
+    job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 3} == {0, 1}, 120,
+             "world 2 training")
+    assert b.proc is not None
+    frozen = [b.proc.pid] + [p.pid for p in psutil.Process(b.proc.pid).children(recursive=True)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    t_freeze = time.time()
+    try:
+        step1 = job.wait(lambda: job.steps_after(t_freeze, 1), 60, "a step at world 1")[0]
+        assert step1["t"] - t_freeze < 10 - 1, "the lease expired first: the heartbeat timeout did not decide"
+        assert job.client.get(job.keys.node("b")) is not None  # its lease still holds
+        view = collect(job.client, job.keys)
+        assert [n["suspect"] for n in view["nodes"] if n["id"] == "b"] == [True], view["nodes"]
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    t_thaw = time.time()
+    job.wait(lambda: {e["rank"] for e in job.steps_after(t_thaw, 2)} == {0, 1}, 120, "the thawed node back")
+    assert job.client.get(job.keys.suspect("b")) is None
+    workers = {e["pid"] for e in job.events("resume")}
+    job.cancel()
+    job.wait(lambda: all(gone(p) for p in workers), 60, "workers stopped after cancel")
+    cov = coverage_by_epoch(read_trace(job.trace_dir))
+    done = [e for e in sorted(cov) if e < max(cov)]
+    assert done, "no epoch finished"
+    for epoch in done:
+        assert sorted(cov[epoch]) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"
+    print(f"\nTIMING torch engine frozen node -> next step {step1['t'] - t_freeze:.2f}s")
 
 
 def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, job_name, dataset, jobs,

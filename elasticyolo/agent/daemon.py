@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from elasticyolo import __version__
 from elasticyolo.agent.billing import BillingLedger
-from elasticyolo.agent.dead_nodes import DeadNodeReaper
+from elasticyolo.agent.dead_nodes import VerdictPublisher
 from elasticyolo.agent.job import JobView
 from elasticyolo.agent.metrics import AgentMetrics
 from elasticyolo.agent.plugin import AgentPlugin
@@ -108,7 +108,7 @@ class Agent:
         # Fast failure signals (cluster/liveness.py): every agent listens (the leader's server is
         # the one in use) and keeps a heartbeat connection to the current leader.
         self.liveness: LivenessServer | None = None
-        self.reaper: DeadNodeReaper | None = None
+        self.verdicts: VerdictPublisher | None = None
         self.liveness_client = LivenessClient(cfg.node_id, cfg.heartbeat_interval_s, self.lease_id,
                                               token=secrets.token_hex(16))
 
@@ -494,9 +494,13 @@ class Agent:
             self.log.warning("liveness server not started", addr=self.cfg.addr, error=str(exc))
         else:
             self.record.extra["liveness"] = self.liveness.endpoint
-            # As leader: a dead agent's lease is revoked at once (agent/dead_nodes.py).
-            self.reaper = DeadNodeReaper(self.new_client(), self.keys, self.liveness,
-                                         lambda: self.election.is_leader).start()
+            # As leader: a dead agent's lease is revoked at once, a suspect published
+            # (agent/dead_nodes.py).
+            self.verdicts = VerdictPublisher(self.new_client(), self.keys, self.liveness,
+                                             lambda: self.election.is_leader,
+                                             fence=self.election.fenced_txn_compare,
+                                             lease=lambda: self.registration.lease_id,
+                                             node_id=self.cfg.node_id).start()
         self.record.extra["liveness_token"] = self.liveness_client.token
         self.liveness_client.start()
 
@@ -517,8 +521,8 @@ class Agent:
             self.log.info("left the cluster", lease_revoked=revoked, state=self.state.value)
         except (UnavailableError, EtcdError) as exc:
             self.log.warning("could not revoke the lease; it expires on its own", error=str(exc), ttl=self.cfg.ttl)
-        if self.reaper is not None:
-            self.reaper.stop()
+        if self.verdicts is not None:
+            self.verdicts.stop()
         if self.liveness is not None:
             self.liveness.stop()
         self.client.close()

@@ -4,6 +4,7 @@
 |-----------------------------------|-------------------|------------|--------------------------------------|
 | `nodes/<node-id>`                 | that node's agent | node lease | NodeRecord (registry.py)             |
 | `leader`                          | elected agent     | node lease | LeaderRecord (election.py); its mod revision is the fencing token |
+| `suspects/<node-id>`              | leader (fenced)   | leader's   | {"node","by","at"}: no heartbeat within the timeout (agent/dead_nodes.py) |
 | `spec`                            | `submit`, agent config | none  | TrainSpec JSON (elasticyolo.spec)   |
 | `state`                           | `submit`/`cancel`/leader/engine | none | JobState: {"state", "at", "by", "reason"} |
 | `world`                           | leader (driver)   | none       | World: {"world_size","ranks":{node:[rank..]},"term","leader","at"} |
@@ -53,6 +54,7 @@ class JobKeys:
         self.job = check_job_name(job)
         self.prefix = f"{ROOT}{job}/"
         self.nodes = self.prefix + "nodes/"
+        self.suspects = self.prefix + "suspects/"
         self.leader = self.prefix + "leader"
         self.spec = self.prefix + "spec"
         self.state = self.prefix + "state"
@@ -70,6 +72,9 @@ class JobKeys:
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
+
+    def suspect(self, node_id: str) -> str:
+        return self.suspects + node_id
 
     def launch(self, node_id: str) -> str:
         """The prefix of one node's launch requests (`launch/<node-id>/`)."""

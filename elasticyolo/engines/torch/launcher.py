@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines import worker_env
 from elasticyolo.engines.lifeline import die_with_agent
 from elasticyolo.engines.prewarm import PrewarmPool, prewarm_enabled
@@ -50,7 +49,7 @@ class LaunchSettings:
     nproc_per_node: int
     local_addr: str
     max_restarts: int = 1000
-    monitor_interval: float = 1.0
+    monitor_interval: float = 0.1
     warm_timeout_s: float = 300.0  # how long warm workers may take to start before plain ones are used
     warm_refill_delay_s: float = 3.0  # a replacement warm worker waits this long before its imports
     rdzv_conf: dict[str, Any] = field(default_factory=dict)
@@ -113,7 +112,7 @@ def run(settings: LaunchSettings) -> int:
     conf = {"join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 5, "keep_alive_max_attempt": 3,
             "key_prefix": settings.key_prefix, **settings.rdzv_conf}
     if env.job and env.node_id:  # rounds follow the cluster's membership (membership.py)
-        conf.update(node_id=env.node_id, nodes_prefix=JobKeys(env.job).nodes)
+        conf.update(node_id=env.node_id, job=env.job)
     config = LaunchConfig(
         min_nodes=settings.min_nodes, max_nodes=settings.max_nodes, nproc_per_node=settings.nproc_per_node,
         run_id=settings.run_id, rdzv_backend="etcd3", rdzv_endpoint=settings.endpoints, rdzv_configs=conf,

@@ -7,7 +7,9 @@ Under the agents both are known sooner:
 
 * a node's agent registers it in etcd with a lease (`nodes/<id>`). The leader revokes the lease
   of an agent whose liveness connection closed (process death: `agent/dead_nodes.py`), so a dead
-  node's record is gone within milliseconds; otherwise it goes when its lease expires;
+  node's record is gone within milliseconds; a node that stopped its heartbeats (frozen, cut off)
+  is published as a suspect (`suspects/<id>`) at the heartbeat timeout, and counts as gone while
+  it is one; otherwise a node goes when its lease expires;
 * each launcher writes a member key `<rdzv root>/members/<node desc>` = its node id, so a
   participant (torch names it `addr_pid_localid`) maps to a node. A node runs one launcher per
   job at a time: a newer member of the same node means the older launcher is gone. A launcher
@@ -21,35 +23,42 @@ participants are every live node that is in the rendezvous is completed now inst
 `last_call_timeout`. A participant without a member key (plain torchrun) is never expired by
 us, and its presence keeps the last call as torch has it.
 
-`use_membership` also makes a waiting node poll the state every `POLL_S` instead of torch's
-fixed 1 s (its op loop sleeps `dynamic_rendezvous._delay(1)` between reads, and its state cache
-is 1 s): a round used to take 2-3 s of polling on top of everything else. Both are settings of
-this (launcher) process only.
+`use_membership` also makes the launcher see a change at once instead of polling for it: an etcd
+watch on the keys a round depends on (the rendezvous state, the node records, the suspects, the
+member keys) invalidates torch's cached state, so the next read (the agent's monitor every
+0.1 s, a waiting node every `POLL_S` instead of torch's fixed 1 s) fetches it, while an
+unchanged state is served from the cache for up to `CACHE_S` (a missed event costs that much).
+A round used to take 2-3 s of polling on top of everything else. Both are settings of this
+(launcher) process only.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
 
+from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.log import get_logger
 
 log = get_logger("elasticyolo.torch.membership")
 
 LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat torch's sanitizer expires
-POLL_S = 0.25  # a node waiting in a rendezvous re-reads the state this often
+POLL_S = 0.05  # a node waiting in a rendezvous checks the (watched) state this often
+CACHE_S = 1.0  # an unchanged state is re-read from etcd this often (the watch may miss an event)
 
 
 class PrefixReader(Protocol):
     def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]: ...
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int: ...
     def delete(self, key: str) -> bool: ...
+    def watch_prefix(self, prefix: str) -> tuple[Iterator[Any], Callable[[], None]]: ...
 
 
 @dataclass(frozen=True)
@@ -90,10 +99,11 @@ def decide(*, participants: Iterable[str], known: Iterable[str], complete: bool,
 
 
 class RendezvousView:
-    """Reads the member keys and the live node records (two range reads per state sync)."""
+    """Reads the member keys, the node records and the suspects (three range reads per state
+    sync). A node is live while its record is there and the leader does not suspect it."""
 
-    def __init__(self, client: PrefixReader, members_prefix: str, nodes_prefix: str) -> None:
-        self.client, self.members_prefix, self.nodes_prefix = client, members_prefix, nodes_prefix
+    def __init__(self, client: PrefixReader, members_prefix: str, keys: JobKeys) -> None:
+        self.client, self.members_prefix, self.keys = client, members_prefix, keys
 
     def register(self, desc: str, node_id: str) -> None:
         self.client.put(self.members_prefix + desc, json.dumps({"node": node_id}))
@@ -112,8 +122,9 @@ class RendezvousView:
                 members[key[len(self.members_prefix):]] = Member(str(json.loads(value)["node"]), revision)
             except (ValueError, KeyError, TypeError):
                 continue  # not ours: never expires anyone
-        live = {key[len(self.nodes_prefix):] for key, _, _ in self.client.get_prefix(self.nodes_prefix)}
-        return members, live
+        live = {key[len(self.keys.nodes):] for key, _, _ in self.client.get_prefix(self.keys.nodes)}
+        suspects = {key[len(self.keys.suspects):] for key, _, _ in self.client.get_prefix(self.keys.suspects)}
+        return members, live - suspects
 
 
 class MembershipStateHolder(_BackendRendezvousStateHolder):
@@ -121,6 +132,13 @@ class MembershipStateHolder(_BackendRendezvousStateHolder):
 
     view: RendezvousView | None = None
     expired: frozenset[str] = frozenset()  # participants expired because their node is gone
+    changed = False  # set by the watch: the cached state is stale
+
+    def sync(self) -> bool | None:
+        if self.changed:
+            self.changed = False  # cleared before the read: an event after it sets it again
+            self._last_sync_time = -1.0  # torch serves its cache while this is recent
+        return super().sync()
 
     def _sanitize(self) -> None:
         view, state = self.view, self._state
@@ -156,11 +174,27 @@ def _short_delay(seconds: float | tuple[float, float]) -> None:
         time.sleep(wait)
 
 
+def watch_changes(view: RendezvousView, state_key: str, holder: MembershipStateHolder) -> Callable[[], None]:
+    """Mark `holder` stale whenever a key a round depends on changes; returns the cancel."""
+    relevant = (state_key, view.keys.nodes, view.keys.suspects, view.members_prefix)
+    events, cancel = view.client.watch_prefix(view.keys.prefix)
+
+    def pump() -> None:
+        for ev in events:
+            if ev.key.startswith(relevant):
+                holder.changed = True
+
+    threading.Thread(target=pump, name="rendezvous-watch", daemon=True).start()
+    return cancel
+
+
 def use_membership(handler: Any, view: RendezvousView, node_id: str) -> None:
     """Make `handler` (torch's dynamic handler, built by `from_backend`) follow the cluster."""
     view.register(str(handler._this_node), node_id)
     holder = handler._state_holder
-    holder.__class__ = MembershipStateHolder  # same fields: only `_sanitize` differs
+    holder.__class__ = MembershipStateHolder  # same fields: only `sync` and `_sanitize` differ
     holder.view = view
-    holder._cache_duration = POLL_S
+    holder._cache_duration = CACHE_S
+    holder.changed = True
+    watch_changes(view, holder._backend.key, holder)
     dynamic_rendezvous._delay = _short_delay

@@ -81,7 +81,9 @@ class TorchNode(EngineNode):
         self.stop_grace_s = stop_grace_s
         self.retry_s = retry_s
         self.rdzv_conf = parse_conf(os.environ.get(ENV_RDZV_CONF, ""))
-        self.monitor_interval = float(os.environ.get(ENV_MONITOR_INTERVAL, "1.0"))
+        # torch's (and torchrun's) default: a check costs no etcd read unless the state changed
+        # (membership.py's watch), and a worker that dies is noticed within it.
+        self.monitor_interval = float(os.environ.get(ENV_MONITOR_INTERVAL, "0.1"))
         self._proc: LauncherProcess | None = None
         self._stopping: list[LauncherProcess] = []
         self._finished: set[int] = set()

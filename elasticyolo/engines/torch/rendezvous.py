@@ -479,10 +479,11 @@ def create_handler(params: RendezvousParameters, client: KV | None = None) -> Et
     )
     handler._etcd_backend = backend
     store.abort_check = handler.hopeless_wait
-    node_id, nodes_prefix = params.get("node_id"), params.get("nodes_prefix")
-    if node_id and nodes_prefix:  # run by the agents: rounds follow the cluster's membership
+    node_id, job = params.get("node_id"), params.get("job")
+    if node_id and job:  # run by the agents: rounds follow the cluster's membership
+        from elasticyolo.cluster.keys import JobKeys
         from elasticyolo.engines.torch.membership import RendezvousView, use_membership
 
-        use_membership(handler, RendezvousView(backend.client, f"{backend.root}/members/", str(nodes_prefix)),
+        use_membership(handler, RendezvousView(backend.client, f"{backend.root}/members/", JobKeys(str(job))),
                        str(node_id))
     return handler
