@@ -62,6 +62,7 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
     assert acc["map50_95_difference"] == pytest.approx(
         abs(acc["elasticyolo"]["mAP50-95"] - acc["uninterrupted"]["mAP50-95"]), abs=1e-3)
     assert "accuracy at the end of epoch" in r.stdout
+    assert acc["uninterrupted"]["world"] == 1  # the elastic job's first world (the calibration's)
     # Nothing left behind: every agent and worker of both systems is gone.
     assert "work dir kept" not in r.stdout
 

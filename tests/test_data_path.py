@@ -95,9 +95,9 @@ def test_train_at_a_terminal_shows_a_progress_bar(tmp_path: Path) -> None:
 
 
 def test_a_batch_is_the_same_whichever_process_builds_it_and_however_often(tmp_path: Path) -> None:
-    """Augmentation is seeded per request (epoch, position, world, rank): the loader's processes
-    and the training process itself build identical batches, and a batch trained again after a
-    rollback is the same batch. (Mosaic off: it also draws from a buffer of recent images.)"""
+    """Augmentation is seeded per sample: the loader's processes and the training process itself
+    build identical batches, and a batch trained again after a rollback is the same batch.
+    (Mosaic off: without cache=ram it draws from a buffer of recently loaded images.)"""
     import torch
 
     quiet_ultralytics()
@@ -124,6 +124,32 @@ def test_a_batch_is_the_same_whichever_process_builds_it_and_however_often(tmp_p
         assert s.num_samples == 16
     finally:
         for c in cores:
+            c.close()
+
+
+def test_a_sample_is_augmented_the_same_at_any_world_size_rank_and_position(tmp_path: Path) -> None:
+    """A sample's augmentation depends on (epoch, sample) only, mosaic included with cache=ram:
+    an elastic run trains the images an uninterrupted run trains, whatever the world does."""
+    import torch
+
+    quiet_ultralytics()
+    data = write_dataset(tmp_path / "d", SynthSpec(train=16, val=4, imgsz=64, classes=2))
+    spec = spec_for(data, "workers=0", "cache=ram", "val=false", "close_mosaic=0")
+    cores = {(r, w): TrainCore(spec, rank=r, world=w, work_dir=tmp_path / f"r{r}w{w}") for r, w in ((0, 1), (1, 2))}
+    try:
+        def images(core: TrainCore, consumed: int) -> dict[int, torch.Tensor]:
+            core.sampler.load_state_dict({"epoch": 0, "consumed": consumed})
+            b = core.load_batch(core.sampler.shard(core.rank, core.world))
+            assert b is not None
+            return dict(zip(b["indices"], b["img"]))
+
+        alone = {**images(cores[(0, 1)], 4), **images(cores[(0, 1)], 8)}  # positions 4..11 at world 1
+        rank1 = images(cores[(1, 2)], 4)  # rank 1's half of the step at position 4 at world 2
+        assert rank1 and set(rank1) <= set(alone)
+        for i, img in rank1.items():
+            assert torch.equal(img, alone[i]), f"sample {i} augmented differently at world 2"
+    finally:
+        for c in cores.values():
             c.close()
 
 

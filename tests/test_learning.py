@@ -62,3 +62,52 @@ def test_sharded_validation_covers_each_image_once(tmp_path: Path) -> None:
     spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=1", "imgsz=64", "batch=2"])
     core = TrainCore(spec, work_dir=tmp_path / "run")
     assert sharded_validate(core, 3) == pytest.approx(without_losses(core.validate()), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_a_primed_optimizer_steps_exactly_as_a_fresh_one(name: str) -> None:
+    """A Horovod joiner primes its optimizer's state before it is offered (a zero-LR step);
+    its first real step must then be a fresh optimizer's (no weight decay in SGD's momentum, no
+    step already counted in Adam's bias correction)."""
+    import torch
+
+    from elasticyolo.engines.horovod.worker import prime_optimizer_state
+
+    def make() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        kw = {"momentum": 0.9} if name == "SGD" else {}
+        return m, getattr(torch.optim, name)(m.parameters(), lr=0.1, weight_decay=0.05, **kw)
+
+    (fresh, opt_f), (primed, opt_p) = make(), make()
+    prime_optimizer_state(opt_p)
+    assert opt_p.state_dict()["state"], "priming creates the state"
+    for _ in range(3):
+        for m, opt in ((fresh, opt_f), (primed, opt_p)):
+            opt.zero_grad()
+            m(torch.ones(2, 4)).square().sum().backward()
+            opt.step()
+    for a, b in zip(fresh.parameters(), primed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_dfl_projection_is_frozen_as_in_ultralytics(tmp_path: Path) -> None:
+    """Ultralytics' trainer never trains `.dfl` (a fixed 0..reg_max-1 projection); trained here it
+    used to shrink by weight decay, 1.2 % in 165 steps, shrinking every predicted box."""
+    import torch
+
+    quiet_ultralytics()
+    data = write_dataset(tmp_path / "d", SynthSpec(train=8, val=4, imgsz=64, classes=2, seed=0))
+    spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=1", "imgsz=64", "batch=4",
+                                 "nbs=4", "val=false", "optimizer=SGD"])
+    core = TrainCore(spec, work_dir=tmp_path / "run")
+    try:
+        dfl = {k: v.detach().clone() for k, v in core.model.named_parameters() if ".dfl" in k}
+        assert dfl and all(not p.requires_grad for k, p in core.model.named_parameters() if ".dfl" in k)
+        TrainingLoop(core).run()
+        assert core.progress.step > 0
+        for k, p in core.model.named_parameters():
+            if k in dfl:
+                assert torch.equal(p, dfl[k]), k
+    finally:
+        core.close()

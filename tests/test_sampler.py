@@ -60,12 +60,27 @@ def test_rollback_to_commit_retrains_suffix_once() -> None:
     assert sorted(committed_work) == list(range(n))
 
 
-def test_shards_are_balanced_and_last_step_may_be_empty() -> None:
+def test_ranks_take_whole_micro_batches_in_order_and_the_last_step_may_leave_some_empty() -> None:
     s = ElasticSampler(10, 4, seed=0)
     s.state.consumed = 8  # 2 samples left for 3 ranks
     shards = [s.shard(r, 3) for r in range(3)]
-    assert [len(x) for x in shards] == [1, 1, 0]
+    assert [len(x) for x in shards] == [2, 0, 0]
     assert s.steps_left(3) == 1
+
+
+def test_every_sample_is_in_the_same_micro_batch_at_every_world_size() -> None:
+    """What makes a resized run compute a world-1 run's gradients (BatchNorm normalizes per
+    micro-batch): the groups of `batch` consecutive positions, the partial last one included."""
+    n, batch = 43, 4
+
+    def groups(world: int) -> set[tuple[int, ...]]:
+        s, out = ElasticSampler(n, batch, seed=3), set()
+        while not s.epoch_done():
+            out |= {tuple(x) for r in range(world) if (x := s.shard(r, world))}
+            s.advance(world)
+        return out
+
+    assert all(groups(w) == groups(1) for w in (2, 3, 4, 5, 12))
 
 
 def test_epochs_use_different_permutations_deterministically() -> None:

@@ -1,8 +1,9 @@
 """Does elastic training on a real trace learn as well as training without interruptions?
 
 After the replay, the elastic job's newest epoch-end checkpoint (epoch E) is compared with an
-uninterrupted run of the same spec (the window's initial number of nodes, no membership change,
-no notice) trained to the end of the same epoch E: the same samples, each seen once per epoch.
+uninterrupted run of the same spec (at the world size the elastic job started at, no membership
+change, no notice: `replay.first_world` says why) trained to the end of the same epoch E: the
+same samples, each seen once per epoch.
 Both checkpoints are validated by Ultralytics' own validator on the same validation set
 (`chaos/evaluate.py`, in a child process: this one imports no torch). The target: mAP50-95
 within `TOLERANCE` of each other.

@@ -24,7 +24,19 @@ from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_tr
 from elasticyolo.errors import UserError
 
 BASELINE = "checkpoint-restart"
+VAL_IMAGES = 64  # the accuracy check's validation set: one image moves the mAP of 8 by a lot
 
+
+
+def first_world(events: list[dict[str, Any]], plan: Any) -> int:
+    """The world size the elastic job trained its first step at (the calibration starts with one
+    node): the accuracy check's uninterrupted run trains at it. The first steps of a run from a
+    random initialization are chaotic (two runs whose gradients differ in float summation order
+    only, world 1 against world 3, were 6e-4 apart after 3 steps and 0.77 of the update after 11),
+    so only a reference that shares them compares what the interruptions did; the elastic job's
+    epochs at its first world size are bitwise those of the uninterrupted run."""
+    steps = [e for e in events if e.get("ev") == "step" and e.get("world")]
+    return int(min(steps, key=lambda e: e["t"])["world"]) if steps else len(plan.initial_nodes)
 
 class ReplayFailed(UserError):
     """The cluster did not do what the replay needs (a world never formed, no steps to measure)."""
@@ -144,17 +156,28 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
 
     root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=8, imgsz=o.imgsz, classes=2))
+    data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=VAL_IMAGES, imgsz=o.imgsz,
+                                                          classes=2))
     # Epoch-end checkpoints come on top of the periodic ones; few steps per epoch would hand the
     # baseline extra checkpoints, hence the default of 512 images.
     ckpt_live_s = o.checkpoint_s / o.compress
     # One global batch at every world size 1..K (accumulation follows the world): an optimizer step
     # is the same whatever the trace does, so the accuracy check's two runs, at the same epoch,
     # have taken the same steps.
+    # And cache=ram: every augmentation draw then depends on (epoch, sample) only (mosaic draws
+    # its partners from the whole dataset, not from a buffer of what this process loaded last),
+    # so both runs train on the same augmented samples (train/loader_worker.py). And SGD: with
+    # the same samples, runs at different world sizes then differ by float summation order only
+    # (4.6e-4 of the update after 3 steps at world 3 vs 1), whereas MuSGD, which optimizer=auto
+    # picks for a long run, orthogonalizes each update and so lifts that noise to the size of the
+    # signal (7e-2 after 3 steps): two MuSGD runs with different world histories part like two
+    # seeds, and on a recipe this short that alone moved mAP50-95 by 0.3. And mosaic off: at 64 px
+    # it shrinks the objects so far that a few hundred steps learn them or not by chance (0.04 to
+    # 0.68 mAP50-95 for runs 5 % of their parameters apart), so no comparison could be decided.
     nbs = o.batch * math.lcm(*range(1, o.nodes + 1))
     spec = [f"model={o.model}", f"data={data}", "epochs=100000", f"imgsz={o.imgsz}", f"batch={o.batch}",
             f"nbs={nbs}", "policy=constant_global_batch", "warmup_epochs=0", "close_mosaic=0", "val=false",
-            "amp=false", "workers=0",
+            "amp=false", "workers=0", "cache=ram", "optimizer=SGD", "mosaic=0",
             f"engine={o.engine}", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4",
             "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", "keep_epochs=true", *o.spec]
     out: dict[str, Any] = {
@@ -188,7 +211,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
                 if o.accuracy:
                     from elasticyolo.chaos.accuracy import check_accuracy
 
-                    out["accuracy"] = check_accuracy(env, data, o.imgsz, len(prep.elastic.initial_nodes), o.nodes,
+                    out["accuracy"] = check_accuracy(env, data, o.imgsz, first_world(er.events, prep.elastic), o.nodes,
                                                      timeout_s=max(600.0, 5 * tl.duration_s))
             except (AssertionError, RuntimeError) as exc:
                 failed = True

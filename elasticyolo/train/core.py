@@ -47,6 +47,8 @@ disable_ultralytics_network()
 GradAllreduce = Callable[[list[torch.Tensor]], None]
 """Averages the given gradient tensors across the world, in place."""
 
+ALWAYS_FROZEN = (".dfl",)  # Ultralytics' trainer: `always_freeze_names`
+
 
 def no_allreduce(_: list[torch.Tensor]) -> None:
     return None
@@ -75,8 +77,9 @@ def build_model(spec: TrainSpec, nc: int, names: dict[int, str]) -> DetectionMod
         model = DetectionModel(cfg=name, nc=nc, ch=3, verbose=False)
     model.names = names
     model.nc = nc
-    for p in model.parameters():
-        p.requires_grad_(True)
+    for name, p in model.named_parameters():
+        # As Ultralytics' trainer: the DFL's fixed projection (0..reg_max-1) is never trained.
+        p.requires_grad_(not any(frozen in name for frozen in ALWAYS_FROZEN))
     return model
 
 
@@ -278,8 +281,10 @@ class TrainCore:
         """The loader's requests from (epoch, start) on, for this rank and world."""
         rank, world = self.rank, self.world
         for shard in self.sampler.plan(rank, world, epoch, start, self.spec.epochs):
+            # A sample's augmentation depends on (epoch, sample) only: the same at any world size,
+            # rank or position, and again after a rollback (loader_worker.BatchBuilder).
             yield Request((shard.epoch, shard.start, world, rank), "train", tuple(shard.indices),
-                          CLOSED_MOSAIC if self.mosaic_closed(shard.epoch) else "")
+                          CLOSED_MOSAIC if self.mosaic_closed(shard.epoch) else "", seed_key=("train", shard.epoch))
 
     def load_batch(self, indices: Sequence[int]) -> dict[str, Any] | None:
         """The batch of this rank's shard at the sampler's position (prefetched by the loader)."""

@@ -55,6 +55,10 @@ class Request:
     dataset: str
     indices: tuple[int, ...]
     variant: str = ""
+    seed_key: Hashable = None  # what the augmentation's draws depend on (None: the key)
+
+    def seed(self, base: int) -> int:
+        return request_seed(base, self.key if self.seed_key is None else self.seed_key)
 
 
 @dataclass
@@ -133,7 +137,7 @@ class _Pool:
         return self.failed is None and len(self.ready) >= self.loader.workers
 
     def send(self, seq: int, stream: int, req: Request) -> None:
-        self.tasks.put((seq, stream, req.dataset, req.indices, req.variant, request_seed(self.loader.seed, req.key)))
+        self.tasks.put((seq, stream, req.dataset, req.indices, req.variant, req.seed(self.loader.seed)))
 
     def check(self) -> str | None:
         """Why this pool is broken (a process died), or None."""
@@ -287,7 +291,7 @@ class BatchLoader:
 
     def _inline(self, req: Request) -> dict[str, Any]:
         self.stats.inline += 1
-        return self._builder.build(req.dataset, req.indices, req.variant, request_seed(self.seed, req.key))
+        return self._builder.build(req.dataset, req.indices, req.variant, req.seed(self.seed))
 
     def _replan(self, name: str, s: _Stream, key: Hashable, plan: Iterator[Request]) -> None:
         old = s.pending[0].request.key if s.pending else None

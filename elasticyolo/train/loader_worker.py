@@ -39,11 +39,15 @@ CLOSED_MOSAIC = "closed_mosaic"
 class BatchBuilder:
     """Builds the batch for one request: `dataset.collate_fn([dataset[i] ...])` plus the indices.
 
-    With a seed, the augmentation's random draws are seeded per request, so the same request
-    (same epoch, position, world and rank) gets the same augmented batch whichever process builds
-    it and however often: a batch trained again after a rollback is the same batch. (Mosaic also
-    draws from the dataset's buffer of recently loaded images, which depends on history.)
-    `keep_rng` (the training process) restores the global RNGs afterwards."""
+    With a seed, each sample's augmentation draws are seeded by (request seed, sample index). The
+    training plan's seed depends on the epoch only (`TrainCore._train_plan`), so a sample is
+    augmented the same way whichever process builds it, at any world size, rank or position in
+    the epoch, and again after a rollback: an elastic run trains what an uninterrupted one
+    would. Except for one draw without `cache=ram`: Ultralytics' mosaic then picks its partner
+    images from the dataset's buffer of recently loaded images (they are in memory; decoding
+    random ones would cost 3 more image reads per sample), whose content depends on history.
+    With `cache=ram` it picks them from the whole dataset. `keep_rng` (the training process)
+    restores the global RNGs afterwards."""
 
     def __init__(self, datasets: Mapping[str, Any], hyp: Any, keep_rng: bool = False) -> None:
         self.datasets = dict(datasets)
@@ -66,16 +70,22 @@ class BatchBuilder:
             py, npy = random.getstate(), np.random.get_state()
             try:
                 with torch.random.fork_rng(devices=[]):
-                    seed_everything(seed)
-                    batch = ds.collate_fn([ds[i] for i in indices])
+                    batch = ds.collate_fn(self._seeded(ds, indices, seed))
             finally:
                 random.setstate(py)
                 np.random.set_state(npy)
         else:
-            seed_everything(seed)
-            batch = ds.collate_fn([ds[i] for i in indices])
+            batch = ds.collate_fn(self._seeded(ds, indices, seed))
         batch["indices"] = list(indices)
         return batch
+
+    @staticmethod
+    def _seeded(ds: Any, indices: Sequence[int], seed: int) -> list[Any]:
+        items = []
+        for i in indices:
+            seed_everything(request_seed(seed, i))
+            items.append(ds[i])
+        return items
 
     def _use(self, name: str, ds: Any, variant: str) -> None:
         current = self._variant[name]

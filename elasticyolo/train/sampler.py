@@ -73,13 +73,18 @@ class ElasticSampler:
 
     def shard(self, rank: int, world: int, start: int | None = None, epoch: int | None = None) -> list[int]:
         """Dataset indices rank `rank` trains in the global step starting at position `start`
-        (default: the current `consumed`) of `epoch` (default: the current one)."""
+        (default: the current `consumed`) of `epoch` (default: the current one).
+
+        Ranks take whole micro-batches in rank order, also in an epoch's last, partial step
+        (where the last ranks get fewer samples or none): every sample is then in the same
+        micro-batch at every world size, so BatchNorm normalizes the same groups and a run at any
+        world size, or through resizes, computes the gradients of a run at world 1 up to float
+        summation order."""
         start = self.state.consumed if start is None else start
         epoch = self.state.epoch if epoch is None else epoch
         span = min(world * self.batch, self.num_samples - start)
-        base, extra = divmod(span, world)
-        lo = start + rank * base + min(rank, extra)
-        hi = lo + base + (1 if rank < extra else 0)
+        lo = start + min(rank * self.batch, span)
+        hi = start + min((rank + 1) * self.batch, span)
         return self.permutation(epoch)[lo:hi]
 
     def advance(self, world: int) -> None:

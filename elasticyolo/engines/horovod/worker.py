@@ -87,6 +87,11 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         else:
             super().sync()
             how = "tensor by tensor"
+        if mine != everyone[0]:
+            # This rank's state changed (a joiner, or a rank a commit behind): the synced state is
+            # its rollback point now, not what it held before (a failure before the next commit
+            # would otherwise restore that - a joiner's fresh model - and, as rank 0, sync it).
+            self.save()
         log.info("state synced from rank 0", how=how, tensors=len(tensors), step=self.progress.get("step"),
                  seconds=round(time.perf_counter() - t0, 3))
 
@@ -120,7 +125,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
 
 
 def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's per-parameter state with a zero-LR step.
+    """Create the optimizer's per-parameter state with a zero-LR step, then zero it.
 
     Horovod's optimizer-state broadcast runs a real `optimizer.step()` on any rank whose state is
     empty (a fresh worker joining), which would apply weight decay to its parameters; with state
@@ -138,6 +143,12 @@ def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for g, lr in zip(optimizer.param_groups, saved):
         g["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+    # Now as after no step at all: SGD's first momentum would hold weight decay x params, Adam's
+    # step count 1 would change its first bias correction (a zero buffer is what SGD starts from).
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
 
 
 class HorovodCollectives:
