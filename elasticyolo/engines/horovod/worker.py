@@ -87,11 +87,6 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         else:
             super().sync()
             how = "tensor by tensor"
-        if mine != everyone[0]:
-            # This rank's state changed (a joiner, or a rank a commit behind): the synced state is
-            # its rollback point now, not what it held before (a failure before the next commit
-            # would otherwise restore that - a joiner's fresh model - and, as rank 0, sync it).
-            self.save()
         log.info("state synced from rank 0", how=how, tensors=len(tensors), step=self.progress.get("step"),
                  seconds=round(time.perf_counter() - t0, 3))
 
