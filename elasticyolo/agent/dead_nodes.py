@@ -38,12 +38,17 @@ log = get_logger("elasticyolo.dead_nodes")
 RECONCILE_S = 1.0  # a failed suspect write (etcd hiccup) is re-tried this often
 
 
+def speaks_for(conn_token: str | None, record: dict[str, object] | None) -> bool:
+    """Whether the connection (its hello's token) spoke for the node's current registration."""
+    return bool(conn_token) and record is not None and str(record.get("liveness_token") or "") == conn_token
+
+
 def lease_to_revoke(verdict: Verdict, conn_token: str | None, record: dict[str, object] | None,
                     lease: int, leader: bool) -> int | None:
     """The lease to revoke for a verdict, or None (pure)."""
-    if verdict is not Verdict.DEAD or not leader or record is None or not lease or not conn_token:
+    if verdict is not Verdict.DEAD or not leader or not lease or not speaks_for(conn_token, record):
         return None
-    return lease if str(record.get("liveness_token") or "") == conn_token else None
+    return lease
 
 
 def suspect_writes(wanted: set[str], published: set[str], leader: bool) -> tuple[set[str], set[str]]:
@@ -102,8 +107,7 @@ class VerdictPublisher:
             self.suspects.discard(node)
             self.reap(node, token)
         elif verdict is Verdict.SUSPECT:
-            record, _ = self._record(node)
-            if self.is_leader() and record is not None and token and record.get("liveness_token") == token:
+            if self.is_leader() and speaks_for(token, self._record(node)[0]):
                 self.suspects.add(node)
         else:
             self.suspects.discard(node)
@@ -127,22 +131,22 @@ class VerdictPublisher:
         """Make the suspect keys in etcd what the verdicts say (each write is retried next tick)."""
         leader = self.is_leader() and self.fence is not None
         put, delete = suspect_writes(self.suspects, self.published, leader)
+        lease = self.lease()
         for node in sorted(put):
             value = json.dumps({"node": node, "by": self.node_id, "at": time.time()})
             request: dict[str, Any] = {"key": b64(self.keys.suspect(node)), "value": b64(value)}
-            if self.lease():
-                request["lease"] = str(self.lease())
+            if lease:
+                request["lease"] = str(lease)
             assert self.fence is not None
             if self.client.txn([self.fence()], [{"request_put": request}], [])["succeeded"]:
                 self.published.add(node)
                 log.info("node suspected: left out of rendezvous rounds until it beats again", node=node)
         for node in sorted(delete):
             key = self.keys.suspect(node)
-            if self.lease():  # only our own key: a newer leader may have written it since
-                self.client.txn([{"key": b64(key), "result": "EQUAL", "target": "LEASE", "lease": str(self.lease())}],
+            if lease:  # only our own key: a newer leader may have written it since
+                self.client.txn([{"key": b64(key), "result": "EQUAL", "target": "LEASE", "lease": str(lease)}],
                                 [{"request_delete_range": {"key": b64(key)}}], [])
             else:
                 self.client.delete(key)
             self.published.discard(node)
             log.info("node no longer suspected", node=node)
-

@@ -27,8 +27,7 @@ BASELINE = "checkpoint-restart"
 VAL_IMAGES = 64  # the accuracy check's validation set: one image moves the mAP of 8 by a lot
 
 
-
-def first_world(events: list[dict[str, Any]], plan: Any) -> int:
+def first_world(events: list[dict[str, Any]], plan: Plan) -> int:
     """The world size the elastic job trained its first step at (the calibration starts with one
     node): the accuracy check's uninterrupted run trains at it. The first steps of a run from a
     random initialization are chaotic (two runs whose gradients differ in float summation order
@@ -37,6 +36,7 @@ def first_world(events: list[dict[str, Any]], plan: Any) -> int:
     epochs at its first world size are bitwise those of the uninterrupted run."""
     steps = [e for e in events if e.get("ev") == "step" and e.get("world")]
     return int(min(steps, key=lambda e: e["t"])["world"]) if steps else len(plan.initial_nodes)
+
 
 class ReplayFailed(UserError):
     """The cluster did not do what the replay needs (a world never formed, no steps to measure)."""
@@ -156,8 +156,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
 
     root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=VAL_IMAGES, imgsz=o.imgsz,
-                                                          classes=2))
+    data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=VAL_IMAGES, imgsz=o.imgsz, classes=2))
     # Epoch-end checkpoints come on top of the periodic ones; few steps per epoch would hand the
     # baseline extra checkpoints, hence the default of 512 images.
     ckpt_live_s = o.checkpoint_s / o.compress
@@ -211,8 +210,8 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
                 if o.accuracy:
                     from elasticyolo.chaos.accuracy import check_accuracy
 
-                    out["accuracy"] = check_accuracy(env, data, o.imgsz, first_world(er.events, prep.elastic), o.nodes,
-                                                     timeout_s=max(600.0, 5 * tl.duration_s))
+                    out["accuracy"] = check_accuracy(env, data, o.imgsz, first_world(er.events, prep.elastic),
+                                                     o.nodes, timeout_s=max(600.0, 5 * tl.duration_s))
             except (AssertionError, RuntimeError) as exc:
                 failed = True
                 raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]} "
