@@ -103,6 +103,12 @@ def test_agent_killed_world_shrinks_then_new_agent_grows_it(cluster: AgentCluste
     # Continued from the last commit made before the failure.
     commits = [e for e in ev if e["ev"] == "commit" and e["pid"] == resume2["pid"] and e["t"] < resume2["t"]]
     assert resume2["step"] == commits[-1]["step"]
+    # Both survivors rolled back to the same commit: the reset moved no model or optimizer tensors.
+    resumed = [e for e in ev if e["ev"] == "resume" and e["world"] == 2 and e["t"] > t_kill][:2]
+    if len({e["step"] for e in resumed}) == 1:  # (a rank can lose the race to its last commit)
+        assert max(e["params_digest"] for e in resumed) == pytest.approx(min(e["params_digest"] for e in resumed))
+        assert any(str(r.get("event")).startswith("worker: state already identical") for n in c.agents
+                   if n != victim for r in c.agents[n].log_records()), "identical survivors broadcast their state"
     c.wait(lambda: len(steps_after(c.events(), t_kill, 2)) > RAMP, STEP_S, "the LR ramp after the shrink")
     assert_ramp(steps_after(c.events(), resume2["t"] - 1e-6, 2), 3.0, 2.0)
     c.wait(lambda: c.progress().get("world_size") == 2, 30, "progress in etcd at world size 2")

@@ -85,6 +85,15 @@ def test_slot_outcome_suspect_waits_for_the_reset() -> None:
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.1)) is None  # grace
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.6)) == ("node-gone", None)
     assert slot_outcome(facts(record_present=False, reset_pending_s=0.6)) == ("node-gone", None)
+    # Every other worker of the world registered and it did not follow within PEER_GRACE_S: a live
+    # one (only its agent frozen) was aborted with them and would be there; no need to wait longer.
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.2, peers_registered_s=0.05)) is None
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.2, peers_registered_s=0.2)) == (
+        "node-gone", None)
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.2, peers_registered_s=0.2,
+                              registered=True)) is None
+    # ... but never for a healthy node, however long the others have waited for it.
+    assert slot_outcome(facts(reset_pending_s=0.2, peers_registered_s=5.0)) is None
     # Already out of the world (Horovod removed the host): the result is ignored by Horovod.
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, assigned=False)) == ("left", None)
     # A healthy node with a reset pending is never failed by the driver.

@@ -144,6 +144,16 @@ class Progress:
     stopped: bool = False  # early stop (`patience` epochs without a better fitness)
 
 
+# Each rank's own: its timing and its shard's train-loss means (history). Ranks at the same point of
+# training differ only in these; a sync hands them rank 0's.
+RANK_LOCAL_PROGRESS = ("seconds", "history")
+
+
+def shared_progress(progress: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The part of a progress record that is equal on every rank at the same point of training."""
+    return sorted((k, v) for k, v in progress.items() if k not in RANK_LOCAL_PROGRESS)
+
+
 class TrainCore:
     def __init__(
         self,

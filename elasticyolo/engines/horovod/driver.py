@@ -33,7 +33,8 @@ from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
 from elasticyolo.cluster.liveness import LivenessServer, Verdict
 from elasticyolo.engines.horovod.abort import ABORT
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
-from elasticyolo.engines.horovod.failures import SlotFacts, abort_targets, etcd_answers, excluded_hosts, slot_outcome
+from elasticyolo.engines.horovod.failures import (PEER_GRACE_S, RESET_GRACE_S, SlotFacts, abort_targets, etcd_answers,
+                                                  excluded_hosts, slot_outcome)
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -69,9 +70,16 @@ class FencedElasticDriver(ElasticDriver):
     report (its agent was frozen, the slot was re-assigned since) must not count against the
     slot's current worker (a late 0 would even read as success and stop the job)."""
 
-    def __init__(self, *args: Any, superseded: Callable[[], bool], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, superseded: Callable[[], bool], on_register: Callable[[], None] = lambda: None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._superseded = superseded
+        self._on_register = on_register
+
+    def record_ready(self, host: str, slot: int) -> Any:
+        # A worker registers in a reset (the rendezvous handler's thread; blocks in the barrier).
+        self._on_register()
+        return super().record_ready(host, slot)
 
     def _handle_worker_exit(self, slot_info: SlotInfo, exit_code: int, timestamp: float) -> None:
         if self._superseded():
@@ -122,6 +130,7 @@ class DriverRunner:
         self._slot_owner: dict[tuple[str, int], str] = {}  # (host, local rank) -> newest request id
         self._superseded: set[int] = set()  # worker threads whose exit Horovod must ignore
         self._reset_seen: tuple[int, float] | None = None  # (rendezvous id, when its first worker registered)
+        self._peers_seen: tuple[int, float] | None = None  # (rendezvous id, when every live worker had registered)
         self._excluded: set[str] = set()  # lost nodes discovery leaves out (failures.excluded_hosts)
         self._deferred: dict[str, Verdict] = {}  # verdicts to act on once etcd answers again
         self._liveness_lock = threading.Lock()
@@ -172,7 +181,7 @@ class DriverRunner:
             driver = FencedElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots, exclude=lost), min_np, max_np,
                                          timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
                                          cooldown_range=tuple(spec.cooldown_s),
-                                         superseded=self._take_superseded)
+                                         superseded=self._take_superseded, on_register=self._on_register)
             self.driver = driver
             if self._stopping.is_set():
                 driver.stop()
@@ -226,6 +235,14 @@ class DriverRunner:
             self._superseded.discard(ident)
             return True
         return False
+
+    def _on_register(self) -> None:
+        # The workers' waiters decide on registrations (failures.slot_outcome): re-check once this
+        # one is recorded and when each grace it may start has passed, not only at the next poll.
+        for delay in (0.02, PEER_GRACE_S + 0.04, RESET_GRACE_S + 0.04):
+            timer = threading.Timer(delay, self.view.poke)
+            timer.daemon = True
+            timer.start()
 
     def _on_liveness(self, changes: dict[str, Verdict]) -> None:
         # A lost node: wake the workers' waiters now rather than at the next etcd poll, and make
@@ -451,20 +468,33 @@ class DriverRunner:
                     stopping: bool) -> SlotFacts:
         host, local_rank = slot.hostname, slot.local_rank
         driver = self.driver
-        assigned, registered, pending = True, False, None
+        assigned, registered, pending, peers = True, False, None, None
         if driver is not None:
             assigned = driver.has_rank_assignment(host, local_rank)
             registry = driver._worker_registry
             states = dict(registry._states)  # recorded in the pending reset (cleared when it completes)
             registered = (host, local_rank) in states
             if states:
-                rid = registry.last_rendezvous()
+                rid, now = registry.last_rendezvous(), time.monotonic()
                 if self._reset_seen is None or self._reset_seen[0] != rid:
-                    self._reset_seen = (rid, time.monotonic())
-                pending = time.monotonic() - self._reset_seen[1]
+                    self._reset_seen = (rid, now)
+                pending = now - self._reset_seen[1]
+                if self._live_workers_registered(driver, states):
+                    if self._peers_seen is None or self._peers_seen[0] != rid:
+                        self._peers_seen = (rid, now)
+                    peers = now - self._peers_seen[1]
         return SlotFacts(exit_code=exit_code, stopping=stopping, liveness=self._verdict(host),
                          record_present=host in snap.nodes or snap.at <= started, assigned=assigned,
-                         registered=registered, reset_pending_s=pending)
+                         registered=registered, reset_pending_s=pending, peers_registered_s=peers)
+
+    def _live_workers_registered(self, driver: ElasticDriver, states: dict[Any, Any]) -> bool:
+        """Every worker of the world on a node not lost has registered in the pending reset."""
+        lost = self._lost_nodes()
+        try:
+            world = [(h, s.local_rank) for h, slots in driver.host_assignments.items() if h not in lost for s in slots]
+        except RuntimeError:  # changed size while iterating (a reset completing): next time
+            return False
+        return all(slot in states for slot in world)
 
     def _withdraw(self, key: str, request_id: str) -> None:
         try:

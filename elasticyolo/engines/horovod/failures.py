@@ -29,7 +29,11 @@ from typing import Iterable
 
 from elasticyolo.cluster.liveness import Verdict
 
-RESET_GRACE_S = 0.5  # a live worker registers within milliseconds of its peers after a reset
+RESET_GRACE_S = 0.5  # after the reset's first registration: a live worker has registered by then
+# After every other worker of the world registered. A live worker on a suspect node (only its agent
+# frozen) had its collective aborted with theirs and registers with them; a frozen one never does.
+# Was RESET_GRACE_S alone: a whole frozen node then cost the world 0.5 s more (bench/recovery.py).
+PEER_GRACE_S = 0.15
 
 
 def etcd_answers(view_age_s: float, heartbeat_timeout_s: float) -> bool:
@@ -56,9 +60,11 @@ class SlotFacts:
     assigned: bool  # the slot is in Horovod's current host assignment
     registered: bool  # the slot's worker registered in the reset now pending
     reset_pending_s: float | None  # how long the pending reset has been waiting (None: no reset)
+    peers_registered_s: float | None = None  # since every other assigned worker registered in it (None: not all)
 
 
-def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S) -> tuple[str, int | None] | None:
+def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S, peer_grace_s: float = PEER_GRACE_S,
+                 ) -> tuple[str, int | None] | None:
     """("exit", code) | ("stop", None) | ("node-gone", None): count it failed | ("left", None): the
     worker is out of the world already (Horovod ignores what is returned) | None: keep waiting."""
     if f.exit_code is not None:
@@ -70,7 +76,9 @@ def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S) -> tuple[str, int
     if f.liveness is Verdict.SUSPECT or not f.record_present:
         if not f.assigned:
             return "left", None
-        if f.reset_pending_s is not None and f.reset_pending_s >= grace_s and not f.registered:
+        if f.registered or f.reset_pending_s is None:
+            return None
+        if f.reset_pending_s >= grace_s or (f.peers_registered_s is not None and f.peers_registered_s >= peer_grace_s):
             return "node-gone", None
     return None
 
