@@ -195,3 +195,17 @@ threading.Event().wait()  # the main thread blocked (as in a collective)
         assert marker.read_text() == "ok"
     finally:
         proc.kill()
+
+
+def test_ranks_at_the_same_commit_differ_only_in_their_rank_local_progress() -> None:
+    # The Horovod reset's sync skips the tensor broadcast when every rank holds the same commit:
+    # each rank's own seconds and train-loss history must not make them look different.
+    from dataclasses import asdict
+
+    from elasticyolo.train.core import Progress, shared_progress
+
+    rank0 = asdict(Progress(epoch=2, consumed=8, step=5, world=3, seconds=1.0, history=[{"train/box_loss": 1.0}]))
+    rank1 = {**rank0, "seconds": 2.5, "history": [{"train/box_loss": 1.3}]}
+    assert shared_progress(rank0) == shared_progress(rank1)
+    assert shared_progress(rank0) != shared_progress({**rank0, "consumed": 12})  # a commit behind
+    assert shared_progress(rank0) != shared_progress({**rank0, "lr_scale": 2.0})
