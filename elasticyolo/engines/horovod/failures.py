@@ -30,7 +30,7 @@ from typing import Iterable
 from elasticyolo.cluster.liveness import Verdict
 
 RESET_GRACE_S = 0.5  # after the reset's first registration: a live worker has registered by then
-# After every other worker of the world registered. A live worker on a suspect node (only its agent
+# After every worker of the world on a node not lost registered. A live worker on a suspect node (only its agent
 # frozen) had its collective aborted with theirs and registers with them; a frozen one never does.
 # Was RESET_GRACE_S alone: a whole frozen node then cost the world 0.5 s more (bench/recovery.py).
 PEER_GRACE_S = 0.15
@@ -60,7 +60,7 @@ class SlotFacts:
     assigned: bool  # the slot is in Horovod's current host assignment
     registered: bool  # the slot's worker registered in the reset now pending
     reset_pending_s: float | None  # how long the pending reset has been waiting (None: no reset)
-    peers_registered_s: float | None = None  # since every other assigned worker registered in it (None: not all)
+    peers_registered_s: float | None = None  # since every assigned worker on a node not lost registered (None: not all)
 
 
 def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S, peer_grace_s: float = PEER_GRACE_S,
