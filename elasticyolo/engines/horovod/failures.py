@@ -30,8 +30,9 @@ from typing import Iterable
 from elasticyolo.cluster.liveness import Verdict
 
 RESET_GRACE_S = 0.5  # after the reset's first registration: a live worker has registered by then
-# After every worker of the world on a node not lost registered. A live worker on a suspect node (only its agent
-# frozen) had its collective aborted with theirs and registers with them; a frozen one never does.
+# After every worker of the world on a node not lost registered. A live worker on a suspect node
+# (only its agent frozen) had its collective aborted with theirs and registers with them; a frozen
+# one never does.
 # Was RESET_GRACE_S alone: a whole frozen node then cost the world 0.5 s more (bench/recovery.py).
 PEER_GRACE_S = 0.15
 
