@@ -66,3 +66,18 @@ def test_settled_stops_the_retries() -> None:
         aborter.settled()
         assert aborter._settled.is_set() and not aborter._doomed
     """)
+
+
+def test_an_abort_between_worlds_is_ignored() -> None:
+    # A late abort (meant for the world this rank left) must not cut its rendezvous with the next
+    # one: the connection open now is that rendezvous request.
+    run_scenario("""
+        aborter = CollectiveAborter(retry_s=0.05, give_up_s=5.0)
+        aborter.left()  # the rank's reset began
+        c, s = connect()
+        assert aborter.abort() == -1
+        assert not is_shut(c, timeout=0.2) and aborter._settled.is_set()
+        aborter.joined()  # in the next world: aborts act again
+        assert aborter.abort() >= 2 and is_shut(c)
+        aborter.settled()
+    """)

@@ -83,13 +83,13 @@ def test_slot_outcome_suspect_waits_for_the_reset() -> None:
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=3.0, registered=True)) is None
     # A reset in which it does not show up: the whole node is frozen or cut off.
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.1)) is None  # grace
-    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.6)) == ("node-gone", None)
-    assert slot_outcome(facts(record_present=False, reset_pending_s=0.6)) == ("node-gone", None)
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.6, reset_id=7)) == ("absent", 7)
+    assert slot_outcome(facts(record_present=False, reset_pending_s=0.6, reset_id=7)) == ("absent", 7)
     # Every other worker of the world registered and it did not follow within PEER_GRACE_S: a live
     # one (only its agent frozen) was aborted with them and would be there; no need to wait longer.
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.2, peers_registered_s=0.05)) is None
-    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.2, peers_registered_s=0.2)) == (
-        "node-gone", None)
+    assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.2, peers_registered_s=0.2, reset_id=7)) == (
+        "absent", 7)
     assert slot_outcome(facts(liveness=Verdict.SUSPECT, reset_pending_s=0.2, peers_registered_s=0.2,
                               registered=True)) is None
     # ... but never for a healthy node, however long the others have waited for it.

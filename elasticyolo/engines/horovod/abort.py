@@ -121,9 +121,16 @@ class CollectiveAborter:
         self._settled.set()
         self._lock = threading.Lock()
         self._doomed: set[Conn] = set()
+        self._in_world = True  # False from a reset's start until the next world is up
 
     def abort(self) -> int:
+        """Shut the collective connections (see the class). Ignored while the worker is between
+        worlds (`left`): the abort was meant for the world it left, and what it has open now is its
+        rendezvous with the next one (seen: a late abort shut a rank's rendezvous request; the world
+        formed without that rank and its peers sat out Gloo's 30 s timeout in their context setup)."""
         with self._lock:
+            if not self._in_world:
+                return -1
             running = not self._settled.is_set()
             self._settled.clear()
             self._doomed |= {conn for _, conn in collective_connections(notification_ports(), states=None)}
@@ -138,6 +145,18 @@ class CollectiveAborter:
         with self._lock:
             self._settled.set()
             self._doomed = set()
+
+    def left(self) -> None:
+        """The worker left its world (its restore or reset began): stop retrying, and ignore
+        aborts until `joined`."""
+        with self._lock:
+            self._in_world = False
+        self.settled()
+
+    def joined(self) -> None:
+        """The worker is in a world again (its reset completed)."""
+        with self._lock:
+            self._in_world = True
 
     def _retry(self) -> None:
         deadline = time.monotonic() + self.give_up_s

@@ -5,7 +5,8 @@ discovery and a create-worker function that asks node agents, through etcd, to s
 Wiring follows `horovod.runner.gloo_run.launch_gloo_elastic`; only two things differ:
 * no SSH: `create_worker` writes `launch/<node>/<local_rank>` (leased by the leader, fenced by
   its term) and blocks until the node's agent reports the exit code under `exit/<request-id>`;
-* the rendezvous server listens on the leader's advertised address, not on every interface.
+* the rendezvous server listens on the leader's advertised address, not on every interface
+  (rendezvous.py; it also re-answers a rank assignment that never reached its worker).
 
 The driver runs in its own thread (`DriverRunner`): the agent loop only starts and stops it.
 """
@@ -19,12 +20,9 @@ from typing import Any, Callable
 
 import horovod.runner.elastic.driver as horovod_driver
 from horovod.runner.elastic.driver import ElasticDriver
-from horovod.runner.elastic.rendezvous import create_rendezvous_handler
 from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
 from horovod.runner.common.util.hosts import SlotInfo
-from horovod.runner.http.http_server import RendezvousHTTPServer, RendezvousServer
-from horovod.runner.util.threads import in_thread
 
 from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.election import LeaderElection
@@ -35,6 +33,8 @@ from elasticyolo.engines.horovod.abort import ABORT
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
 from elasticyolo.engines.horovod.failures import (PEER_GRACE_S, RESET_GRACE_S, SlotFacts, abort_targets, etcd_answers,
                                                   excluded_hosts, slot_outcome)
+from elasticyolo.engines.horovod.registry import GuardedWorkerRegistry
+from elasticyolo.engines.horovod.rendezvous import BoundRendezvousServer, rendezvous_handler
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -52,28 +52,19 @@ RECHECK_S = 10.0
 horovod_driver.DISCOVER_HOSTS_FREQUENCY_SECS = 0.2
 
 
-class BoundRendezvousServer(RendezvousServer):
-    """`RendezvousServer` listening on one address (Horovod's binds to all interfaces)."""
-
-    def __init__(self, addr: str, verbose: int = 0) -> None:
-        super().__init__(verbose)
-        self.addr = addr
-
-    def start(self, handler_cls: Any = None) -> int:  # type: ignore[override]
-        self._httpd = RendezvousHTTPServer((self.addr, 0), handler_cls, self._verbose)
-        self._listen_thread = in_thread(target=self._httpd.serve_forever)
-        return int(self._httpd.server_address[1])
-
-
 class FencedElasticDriver(ElasticDriver):
     """Horovod's driver, ignoring the exit of a worker whose slot a newer request owns: a late
     report (its agent was frozen, the slot was re-assigned since) must not count against the
-    slot's current worker (a late 0 would even read as success and stop the job)."""
+    slot's current worker (a late 0 would even read as success and stop the job). A worker counted
+    out for its absence from a reset is recorded failed only if it is still absent
+    (engines/horovod/registry.py)."""
 
-    def __init__(self, *args: Any, superseded: Callable[[], bool], on_register: Callable[[], None] = lambda: None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, superseded: Callable[[], bool], absent_in: Callable[[], int | None] = lambda: None,
+                 on_register: Callable[[], None] = lambda: None, reset_limit: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, reset_limit=reset_limit, **kwargs)
+        self._worker_registry = GuardedWorkerRegistry(self, self._host_manager, reset_limit=reset_limit)
         self._superseded = superseded
+        self._absent_in = absent_in
         self._on_register = on_register
 
     def record_ready(self, host: str, slot: int) -> Any:
@@ -83,6 +74,12 @@ class FencedElasticDriver(ElasticDriver):
 
     def _handle_worker_exit(self, slot_info: SlotInfo, exit_code: int, timestamp: float) -> None:
         if self._superseded():
+            return
+        rendezvous_id = self._absent_in()
+        if rendezvous_id is not None:
+            if self.has_rank_assignment(slot_info.hostname, slot_info.local_rank):
+                registry: GuardedWorkerRegistry = self._worker_registry  # type: ignore[assignment]
+                registry.record_failure_if_absent(slot_info.hostname, slot_info.local_rank, rendezvous_id)
             return
         super()._handle_worker_exit(slot_info, exit_code, timestamp)
 
@@ -129,6 +126,7 @@ class DriverRunner:
         self.liveness = liveness  # fast failure signals (cluster/liveness.py); None: the lease only
         self._slot_owner: dict[tuple[str, int], str] = {}  # (host, local rank) -> newest request id
         self._superseded: set[int] = set()  # worker threads whose exit Horovod must ignore
+        self._absent: dict[int, int] = {}  # worker thread -> the reset its worker was absent from
         self._reset_seen: tuple[int, float] | None = None  # (rendezvous id, when its first worker registered)
         self._peers_seen: tuple[int, float] | None = None  # (rendezvous id, when every live worker had registered)
         self._excluded: set[str] = set()  # lost nodes discovery leaves out (failures.excluded_hosts)
@@ -181,12 +179,13 @@ class DriverRunner:
             driver = FencedElasticDriver(rendezvous, EtcdHostDiscovery(self.view, slots, exclude=lost), min_np, max_np,
                                          timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
                                          cooldown_range=tuple(spec.cooldown_s),
-                                         superseded=self._take_superseded, on_register=self._on_register)
+                                         superseded=self._take_superseded, absent_in=self._take_absent,
+                                         on_register=self._on_register)
             self.driver = driver
             if self._stopping.is_set():
                 driver.stop()
                 return
-            port = rendezvous.start(create_rendezvous_handler(driver))
+            port = rendezvous.start(rendezvous_handler(driver))
             self.log.info("driver started", rendezvous=f"{self.addr}:{port}", min_np=min_np, max_np=max_np)
             self._set_state(JOB_RUNNING)
             current = self._wait_for_start(driver, min_np)
@@ -235,6 +234,10 @@ class DriverRunner:
             self._superseded.discard(ident)
             return True
         return False
+
+    def _take_absent(self) -> int | None:
+        # Called by Horovod on the worker's thread right after create_worker returned.
+        return self._absent.pop(threading.get_ident(), None)
 
     def _on_register(self) -> None:
         # The workers' waiters decide on registrations (failures.slot_outcome): re-check once this
@@ -435,6 +438,12 @@ class DriverRunner:
                 log.warning("node lost; counting its worker as failed",
                             liveness=self._verdict(slot.hostname).value)
                 return 1, time.time()
+            if what == "absent":
+                log.warning("node lost and its worker absent from the reset; counting it failed unless it registers",
+                            liveness=self._verdict(slot.hostname).value, reset=code)
+                if code is not None:
+                    self._absent[threading.get_ident()] = int(code)
+                return 1, time.time()
             # Horovod stops this worker (job shutdown or its host was blacklisted): withdraw the
             # request; the node's agent kills the worker and reports its exit.
             self._withdraw(key, request_id)
@@ -468,7 +477,7 @@ class DriverRunner:
                     stopping: bool) -> SlotFacts:
         host, local_rank = slot.hostname, slot.local_rank
         driver = self.driver
-        assigned, registered, pending, peers = True, False, None, None
+        assigned, registered, pending, peers, reset_id = True, False, None, None, None
         if driver is not None:
             assigned = driver.has_rank_assignment(host, local_rank)
             registry = driver._worker_registry
@@ -476,6 +485,7 @@ class DriverRunner:
             registered = (host, local_rank) in states
             if states:
                 rid, now = registry.last_rendezvous(), time.monotonic()
+                reset_id = rid
                 if self._reset_seen is None or self._reset_seen[0] != rid:
                     self._reset_seen = (rid, now)
                 pending = now - self._reset_seen[1]
@@ -485,7 +495,8 @@ class DriverRunner:
                     peers = now - self._peers_seen[1]
         return SlotFacts(exit_code=exit_code, stopping=stopping, liveness=self._verdict(host),
                          record_present=host in snap.nodes or snap.at <= started, assigned=assigned,
-                         registered=registered, reset_pending_s=pending, peers_registered_s=peers)
+                         registered=registered, reset_pending_s=pending, peers_registered_s=peers,
+                         reset_id=reset_id)
 
     def _live_workers_registered(self, driver: ElasticDriver, states: dict[Any, Any]) -> bool:
         """Every worker of the world on a node not lost has registered in the pending reset."""

@@ -62,12 +62,15 @@ class SlotFacts:
     registered: bool  # the slot's worker registered in the reset now pending
     reset_pending_s: float | None  # how long the pending reset has been waiting (None: no reset)
     peers_registered_s: float | None = None  # since every assigned worker on a node not lost registered (None: not all)
+    reset_id: int | None = None  # Horovod's rendezvous id of the pending reset
 
 
 def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S, peer_grace_s: float = PEER_GRACE_S,
                  ) -> tuple[str, int | None] | None:
-    """("exit", code) | ("stop", None) | ("node-gone", None): count it failed | ("left", None): the
-    worker is out of the world already (Horovod ignores what is returned) | None: keep waiting."""
+    """("exit", code) | ("stop", None) | ("node-gone", None): count it failed | ("absent", reset id):
+    count it failed unless it registers in that reset after all (engines/horovod/registry.py
+    decides that atomically with its registration) | ("left", None): the worker is out of the
+    world already (Horovod ignores what is returned) | None: keep waiting."""
     if f.exit_code is not None:
         return "exit", f.exit_code
     if f.stopping:
@@ -80,7 +83,7 @@ def slot_outcome(f: SlotFacts, grace_s: float = RESET_GRACE_S, peer_grace_s: flo
         if f.registered or f.reset_pending_s is None:
             return None
         if f.reset_pending_s >= grace_s or (f.peers_registered_s is not None and f.peers_registered_s >= peer_grace_s):
-            return "node-gone", None
+            return "absent", f.reset_id
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import elasticyolo.train  # noqa: F401  (offline Ultralytics before anything imports it)
 import horovod.torch as hvd
 import torch
-from horovod.common.elastic import ObjectState
+from horovod.common.elastic import ObjectState, run_fn
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
@@ -60,7 +61,10 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         # instead of at Gloo's timeout. Not a host update of its own: the reset follows.
         if int(update_res) & ABORT:
             n = self.aborter.abort()
-            log.info("collective aborted: a node of the world was lost", connections=n)
+            if n < 0:
+                log.info("abort ignored: this rank has left that world already")
+            else:
+                log.info("collective aborted: a node of the world was lost", connections=n)
             return
         super().on_hosts_updated(timestamp, update_res)
 
@@ -98,7 +102,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         # Our collective failed: stop the peers that still wait on us at once, before the reset
         # blocks in the rendezvous (our sockets would otherwise stay open until Gloo's timeout).
         abort_collectives()
-        self.aborter.settled()  # the connections made from now on are the next world's
+        self.aborter.left()  # the connections made from now on are the next world's
         super().restore()
 
     def check_host_updates(self) -> None:
@@ -271,7 +275,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepare
     run_folder = ClusterRunFolder(core, env.job or "default", checkpointer.store, Path(core.work_dir))
 
     def on_reset() -> None:
-        state.aborter.settled()
+        state.aborter.joined()
         trace.write("reset", rank=hvd.rank(), world=hvd.size())
         log.info("reset", rank=hvd.rank(), world=hvd.size())
 
@@ -295,7 +299,14 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepare
     state.quiesce_poller, state.on_quiesce = poller, on_quiesce
     first_entry = [True]
 
-    @hvd.elastic.run
+    def reset_world() -> None:
+        # Horovod's reset (`hvd.elastic.run`'s), marking the rank as between worlds until
+        # `on_reset`: an abort meant for the world it left must not cut its rendezvous (abort.py).
+        state.aborter.left()
+        hvd.shutdown()
+        hvd.init()
+
+    @partial(run_fn, reset=reset_world)
     def train(state: AlwaysSyncTorchState) -> Summary:
         before = core.progress.step  # steps this process reached (committed or not)
         load_core_from_state(core, state)
