@@ -8,8 +8,9 @@
 * pauses: per trace change, the longest stretch without a step that ends after the change (and
   starts before the next one), minus one typical step time (the median gap between steps);
 * duplicates / skipped: per completed epoch of the final history, samples trained twice / never;
-* steady-state samples/s for a world size: committed samples between the first and last step
-  record of a stretch at that size with no change (the ideal's calibration).
+* steady-state samples/s for a world size: samples of the steps after the first one over the time
+  from the first to the last step of a stretch at that size with no change (the ideal's
+  calibration pools several such spans).
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ def steady_rate(events: Sequence[Event], t0: float, t1: float, world: int) -> fl
 
 
 def stretch_rates(events: Sequence[Event], t0: float, t1: float, skip: int = 2, least: int = 5) -> dict[int, float]:
-    """Best steady samples/s per world size over the stretches of consecutive steps at one size
-    between t0 and t1 (the first `skip` steps after a change left out, at least `least` kept)."""
+    """Steady samples/s per world size, pooled over the stretches of consecutive steps at one size
+    between t0 and t1 (the first `skip` steps after a change left out, at least `least` kept): all
+    their samples over all their time. A check on the calibration, not a part of the ideal."""
     ex = [x for x in executions(step_records(events)) if t0 <= x[0] <= t1]
-    best: dict[int, float] = {}
+    samples: dict[int, int] = defaultdict(int)
+    seconds: dict[int, float] = defaultdict(float)
     i = 0
     while i < len(ex):
         j = i
@@ -103,10 +106,10 @@ def stretch_rates(events: Sequence[Event], t0: float, t1: float, skip: int = 2, 
             j += 1
         run = ex[i + skip:j]
         if len(run) >= least and run[-1][0] > run[0][0]:
-            rate = sum(x[2] for x in run[1:]) / (run[-1][0] - run[0][0])
-            best[ex[i][1]] = max(best.get(ex[i][1], 0.0), rate)
+            samples[ex[i][1]] += sum(x[2] for x in run[1:])
+            seconds[ex[i][1]] += run[-1][0] - run[0][0]
         i = j
-    return best
+    return {n: samples[n] / seconds[n] for n in samples}
 
 
 @dataclass

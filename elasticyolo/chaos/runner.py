@@ -23,6 +23,7 @@ from elasticyolo.testing.wait import wait_for
 
 Say = Callable[[str], None]
 ELASTIC_JOB, RESTART_JOB, REFERENCE_JOB = "replay-elastic", "replay-restart", "replay-reference"
+CALIBRATION_SPANS = 3  # per node count; their pooled rate is the steady state
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SystemRun:
     applied: list[dict[str, Any]] = field(default_factory=list)  # actions as played (wall times)
     rates: dict[int, float] = field(default_factory=dict)  # steady-state samples/s (elasticyolo run)
     t_stop: float = float("inf")  # when the runner began stopping the cluster (its drains do not count)
+    span_rates: dict[int, list[float]] = field(default_factory=dict)  # each calibration span's samples/s
 
 
 class _Nodes:
@@ -156,6 +158,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
     extra = [f"x{i}" for i in range(1, max_nodes - len(plan.initial_nodes) + 1)]
     ramp = plan.initial_nodes + extra
     rates: dict[int, float] = {}
+    span_rates: dict[int, list[float]] = {}
     try:
         nodes.start(ramp[0])
         nodes.cluster.wait(lambda: nodes.cluster.leader() == ramp[0], 60, f"{ramp[0]} to lead")
@@ -165,11 +168,14 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 nodes.start(ramp[n - 1])
             t_join = time.time()
             nodes.wait_world(n, t_join, 3, env.startup_timeout_s, f"training at world size {n}")
-            # Let the join settle (a joiner's start-up competes for the CPUs), then keep the best
-            # of two measured spans: the ideal is the best steady state.
+            # Let the join settle (a joiner's start-up competes for the CPUs), then measure
+            # CALIBRATION_SPANS spans back to back. The steady state is their pooled rate (all
+            # their samples over all their time): the best of a few short spans is biased upward
+            # by the machine's noise (seen on 2 cores: world 3 from 49 to 71 samples/s).
             time.sleep(calibrate_s)
+            t_first = time.time()
             spans = []
-            for _ in range(2):
+            for _ in range(CALIBRATION_SPANS):
                 t_a = time.time()
                 # A span: at least calibrate_s and at least 5 steps at this size.
                 wait_for(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
@@ -177,10 +183,12 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
                 if got is not None:
                     spans.append(got)
-            if not spans:
+            pooled = steady_rate(nodes.cluster.events(), t_first, time.time(), n)
+            if pooled is None:
                 raise RuntimeError(f"no steady steps at world size {n} to measure")
-            rates[n] = max(spans)
-            say(f"ideal: {n} node(s) train {rates[n]:.1f} samples/s (best of {len(spans)} x {calibrate_s:g}s)")
+            rates[n], span_rates[n] = pooled, spans
+            say(f"ideal: {n} node(s) train {pooled:.1f} samples/s (pooled over {len(spans)} x {calibrate_s:g}s; "
+                f"spans {', '.join(f'{r:.1f}' for r in spans)})")
         for x in extra:  # back to the window's initial size: the extra nodes leave with a notice
             nodes.notice(x, env.notice_s)
         t_drop = time.time()
@@ -209,7 +217,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
         played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
         t_stop = time.time()
         nodes.stop()
-        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, rates, t_stop)
+        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, rates, t_stop, span_rates)
     finally:
         nodes.stop()
 
