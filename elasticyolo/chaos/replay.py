@@ -224,7 +224,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         elif not failed:
             say(f"work dir kept: {root}")
     out["wall_s"] = round(time.monotonic() - t_begin, 1)
-    # The ideal: the calibration's pooled steady rates (chaos/runner.py). The replays' own steady
+    # The ideal: the calibration's median steady rates (chaos/runner.py). The replays' own steady
     # stretches are reported beside them as a check (the load can differ between the runs), not
     # mixed in: raising the ideal to the best stretch seen made it the luckiest noise on the box.
     rates = dict(er.rates)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from elasticyolo.testing.wait import wait_for
 
 Say = Callable[[str], None]
 ELASTIC_JOB, RESTART_JOB, REFERENCE_JOB = "replay-elastic", "replay-restart", "replay-reference"
-CALIBRATION_SPANS = 3  # per node count; their pooled rate is the steady state
+CALIBRATION_SPANS = 3  # per node count; their median rate is the steady state
 
 
 @dataclass
@@ -169,11 +170,11 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
             t_join = time.time()
             nodes.wait_world(n, t_join, 3, env.startup_timeout_s, f"training at world size {n}")
             # Let the join settle (a joiner's start-up competes for the CPUs), then measure
-            # CALIBRATION_SPANS spans back to back. The steady state is their pooled rate (all
-            # their samples over all their time): the best of a few short spans is biased upward
-            # by the machine's noise (seen on 2 cores: world 3 from 49 to 71 samples/s).
+            # CALIBRATION_SPANS spans back to back. The steady state is their median: the best of
+            # a few short spans is biased upward by the machine's noise, and their pooled mean
+            # downward by a transient the settling missed (seen on 2 cores: world 3's spans at
+            # 21, 46 and 47 samples/s; 49 to 71 for the best of two across runs).
             time.sleep(calibrate_s)
-            t_first = time.time()
             spans = []
             for _ in range(CALIBRATION_SPANS):
                 t_a = time.time()
@@ -183,11 +184,10 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
                 if got is not None:
                     spans.append(got)
-            pooled = steady_rate(nodes.cluster.events(), t_first, time.time(), n)
-            if pooled is None:
+            if not spans:
                 raise RuntimeError(f"no steady steps at world size {n} to measure")
-            rates[n], span_rates[n] = pooled, spans
-            say(f"ideal: {n} node(s) train {pooled:.1f} samples/s (pooled over {len(spans)} x {calibrate_s:g}s; "
+            rates[n], span_rates[n] = statistics.median(spans), spans
+            say(f"ideal: {n} node(s) train {rates[n]:.1f} samples/s (median of {len(spans)} x {calibrate_s:g}s; "
                 f"spans {', '.join(f'{r:.1f}' for r in spans)})")
         for x in extra:  # back to the window's initial size: the extra nodes leave with a notice
             nodes.notice(x, env.notice_s)
