@@ -10,7 +10,7 @@
 * duplicates / skipped: per completed epoch of the final history, samples trained twice / never;
 * steady-state samples/s for a world size: samples of the steps after the first one over the time
   from the first to the last step of a stretch at that size with no change (the ideal's
-  calibration pools several such spans).
+  calibration takes the median of several such spans).
 """
 
 from __future__ import annotations

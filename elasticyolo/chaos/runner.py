@@ -49,9 +49,13 @@ class SystemRun:
     t_start: float
     events: list[dict[str, Any]]
     applied: list[dict[str, Any]] = field(default_factory=list)  # actions as played (wall times)
-    rates: dict[int, float] = field(default_factory=dict)  # steady-state samples/s (elasticyolo run)
     t_stop: float = float("inf")  # when the runner began stopping the cluster (its drains do not count)
     span_rates: dict[int, list[float]] = field(default_factory=dict)  # each calibration span's samples/s
+
+    @property
+    def rates(self) -> dict[int, float]:
+        """Steady-state samples/s per node count: the median of its calibration spans."""
+        return {n: statistics.median(spans) for n, spans in self.span_rates.items()}
 
 
 class _Nodes:
@@ -158,7 +162,6 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
     nodes = _Nodes(env, job, env.workdir / "elasticyolo")
     extra = [f"x{i}" for i in range(1, max_nodes - len(plan.initial_nodes) + 1)]
     ramp = plan.initial_nodes + extra
-    rates: dict[int, float] = {}
     span_rates: dict[int, list[float]] = {}
     try:
         nodes.start(ramp[0])
@@ -186,8 +189,8 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                     spans.append(got)
             if not spans:
                 raise RuntimeError(f"no steady steps at world size {n} to measure")
-            rates[n], span_rates[n] = statistics.median(spans), spans
-            say(f"ideal: {n} node(s) train {rates[n]:.1f} samples/s (median of {len(spans)} x {calibrate_s:g}s; "
+            span_rates[n] = spans
+            say(f"ideal: {n} node(s) train {statistics.median(spans):.1f} samples/s (median of {len(spans)} x {calibrate_s:g}s; "
                 f"spans {', '.join(f'{r:.1f}' for r in spans)})")
         for x in extra:  # back to the window's initial size: the extra nodes leave with a notice
             nodes.notice(x, env.notice_s)
@@ -217,7 +220,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
         played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
         t_stop = time.time()
         nodes.stop()
-        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, rates, t_stop, span_rates)
+        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, t_stop, span_rates)
     finally:
         nodes.stop()
 

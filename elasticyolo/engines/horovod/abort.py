@@ -123,14 +123,14 @@ class CollectiveAborter:
         self._doomed: set[Conn] = set()
         self._in_world = True  # False from a reset's start until the next world is up
 
-    def abort(self) -> int:
-        """Shut the collective connections (see the class). Ignored while the worker is between
-        worlds (`left`): the abort was meant for the world it left, and what it has open now is its
+    def abort(self) -> int | None:
+        """Shut the collective connections (see the class); how many, or None: ignored while the
+        worker is between worlds (`left`): the abort was meant for the world it left, and what it has open now is its
         rendezvous with the next one (seen: a late abort shut a rank's rendezvous request; the world
         formed without that rank and its peers sat out Gloo's 30 s timeout in their context setup)."""
         with self._lock:
             if not self._in_world:
-                return -1
+                return None
             running = not self._settled.is_set()
             self._settled.clear()
             self._doomed |= {conn for _, conn in collective_connections(notification_ports(), states=None)}

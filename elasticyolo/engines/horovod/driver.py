@@ -484,14 +484,13 @@ class DriverRunner:
             states = dict(registry._states)  # recorded in the pending reset (cleared when it completes)
             registered = (host, local_rank) in states
             if states:
-                rid, now = registry.last_rendezvous(), time.monotonic()
-                reset_id = rid
-                if self._reset_seen is None or self._reset_seen[0] != rid:
-                    self._reset_seen = (rid, now)
+                reset_id, now = registry.last_rendezvous(), time.monotonic()
+                if self._reset_seen is None or self._reset_seen[0] != reset_id:
+                    self._reset_seen = (reset_id, now)
                 pending = now - self._reset_seen[1]
                 if self._live_workers_registered(driver, states):
-                    if self._peers_seen is None or self._peers_seen[0] != rid:
-                        self._peers_seen = (rid, now)
+                    if self._peers_seen is None or self._peers_seen[0] != reset_id:
+                        self._peers_seen = (reset_id, now)
                     peers = now - self._peers_seen[1]
         return SlotFacts(exit_code=exit_code, stopping=stopping, liveness=self._verdict(host),
                          record_present=host in snap.nodes or snap.at <= started, assigned=assigned,

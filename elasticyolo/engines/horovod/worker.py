@@ -61,7 +61,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         # instead of at Gloo's timeout. Not a host update of its own: the reset follows.
         if int(update_res) & ABORT:
             n = self.aborter.abort()
-            if n < 0:
+            if n is None:
                 log.info("abort ignored: this rank has left that world already")
             else:
                 log.info("collective aborted: a node of the world was lost", connections=n)
