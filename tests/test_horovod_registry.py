@@ -109,7 +109,9 @@ def test_a_repeated_registration_does_not_complete_the_reset_without_a_member(se
     x_retry = register(lambda: registry.record_ready("x", 0))
     # The retry waits for the reset to complete (on the registry's condition), not at the barrier.
     wait_for(lambda: len(registry._round_changed._waiters) == 1, 5, "x's retry to wait for the reset")  # type: ignore[attr-defined]
-    assert registry._barrier.n_waiting == 2 and not driver.resumed, "the retry counted as b"
+    # a's registration re-enters the barrier after its reset (the count dips meanwhile): wait for it.
+    wait_for(lambda: registry._barrier.n_waiting == 2, 5, "a and x's failure at the barrier")
+    assert not driver.resumed, "the retry counted as b"
     b = register(lambda: registry.record_ready("b", 0))
     for t, _ in (a, x_failed, b, x_retry):
         t.join(5)
