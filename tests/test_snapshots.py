@@ -197,6 +197,32 @@ threading.Event().wait()  # the main thread blocked (as in a collective)
         proc.kill()
 
 
+def test_a_flush_waits_for_the_commit_whose_state_is_being_copied(tmp_path: Path, monkeypatch) -> None:
+    """A SIGTERM that lands while a commit copies its state (before the snapshot is submitted)
+    still gets that commit's snapshot written: the flush the SIGTERM handler makes waits for it."""
+    import elasticyolo.train.snapshots as snapshots_mod
+
+    copying, release = threading.Event(), threading.Event()
+
+    def slow_core_state(core: Any) -> dict[str, Any]:
+        copying.set()
+        release.wait(10)
+        return core_state(core)
+
+    monkeypatch.setattr(snapshots_mod, "core_state", slow_core_state)
+    snaps = LocalSnapshots(tmp_path)
+    committing = threading.Thread(target=snaps.maybe_save, args=(FakeCore(step=7),))
+    committing.start()
+    assert copying.wait(10)
+    assert not snaps.flush(timeout=0.2)  # the commit is still copying: not flushed yet
+    release.set()
+    assert snaps.flush(timeout=10)
+    committing.join(10)
+    found = read_snapshot(snaps.path)
+    assert found is not None and found["progress"]["step"] == 7
+    snaps.close()
+
+
 def test_ranks_at_the_same_commit_differ_only_in_their_rank_local_progress() -> None:
     # The Horovod reset's sync skips the tensor broadcast when every rank holds the same commit:
     # each rank's own seconds and train-loss history must not make them look different.

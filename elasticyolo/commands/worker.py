@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from elasticyolo.engines.worker_env import ENV_SPEC
+from elasticyolo.engines.worker_env import ENV_SPEC, wait_prewarm_delay
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,14 +16,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the spec as JSON (default: ${ENV_SPEC})")
     parser.add_argument("--progress-jsonl", default=None, help="rank 0 writes one JSON record per step here")
     parser.add_argument("--prewarm-slot", type=int, default=None, metavar="N",
-                        help="(agent use, engine=horovod) build the model and data for local slot N, print READY, "
-                             "then wait for the Horovod environment as one JSON line on stdin")
+                        help="(agent use) build the model and data for local slot N, print READY, "
+                             "then wait for the engine's environment as one JSON line on stdin")
 
 
 def run(args: argparse.Namespace) -> int:
     from elasticyolo.engines.lifeline import die_with_agent
 
     die_with_agent()  # started by an agent (or its torch launcher): die with it
+    if args.prewarm_slot is not None:
+        wait_prewarm_delay()  # before the imports below
     from elasticyolo.data.yaml_check import load_data_yaml
     from elasticyolo.engines import registry
     from elasticyolo.engines.base import WorkerOptions

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -28,15 +27,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from elasticyolo.engines.spawn import kill_now, pump_output, spawn, worker_command
-from elasticyolo.engines.worker_env import ENV_SPEC, WorkerEnv
+from elasticyolo.engines.worker_env import ENV_PREWARM_DELAY_S, ENV_SPEC, WorkerEnv
 from elasticyolo.log import get_logger
 
 READY_LINE = "ELASTICYOLO-PREWARM-READY"
 MAX_FAILURES = 3
 ENV_PREWARM = "ELASTICYOLO_PREWARM"  # "0": start plain workers (no warm pool)
-# A replacement warm process waits this long before its imports, so that it does not take the
-# CPU from the worker it replaces while that one restores and takes its first steps.
-ENV_PREWARM_DELAY_S = "ELASTICYOLO_PREWARM_DELAY_S"
 
 
 def prewarm_enabled() -> bool:
@@ -158,11 +154,6 @@ def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.
     `train(core)` (the engine's worker entry, once the environment is complete). `prepare(core)`:
     the engine's own work that needs no environment, done before READY; `train` then gets what
     it returns instead of the core."""
-    delay = float(os.environ.get(ENV_PREWARM_DELAY_S) or 0)
-    if delay > 0:
-        # Nothing heavy imported yet: a waiting process costs nothing. An environment that
-        # arrives meanwhile (PrewarmPool.take(ready_only=False)) ends the wait.
-        select.select([sys.stdin], [], [], delay)
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
 
     quiet_ultralytics()

@@ -14,7 +14,9 @@ directory and older ones are deleted, so a resubmitted job never restores a prev
 from __future__ import annotations
 
 import os
+import select
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -34,8 +36,21 @@ ENV_TERM = "ELASTICYOLO_DRIVER_TERM"  # leadership term of the coordinator that 
 ENV_RESTORE = "ELASTICYOLO_RESTORE"  # "1": a freshly started world; agree on the newest snapshot
 ENV_ENGINE_CONFIG = "ELASTICYOLO_ENGINE_CONFIG"  # an engine's own settings for its node process (JSON)
 ENV_SNAPSHOT_S = "ELASTICYOLO_SNAPSHOT_S"  # inherited override of the engine's snapshot period
+# A replacement warm worker (engines/prewarm.py) waits this long before anything heavy, so that it
+# does not take the CPU from the worker it replaces while that one restores and takes its first steps.
+ENV_PREWARM_DELAY_S = "ELASTICYOLO_PREWARM_DELAY_S"
 
 DEFAULT_WORK_ROOT = "/var/tmp/elasticyolo"  # survives reboots, unlike a tmpfs /tmp
+
+
+def wait_prewarm_delay() -> None:
+    """A warm worker's first act: wait `ELASTICYOLO_PREWARM_DELAY_S` before importing anything
+    heavy (the spec's pydantic, torch, Ultralytics: ~0.5 s of CPU before the model is even built).
+    An environment that arrives on stdin meanwhile (`PrewarmPool.take(ready_only=False)`) ends the
+    wait; the line stays unread for `prewarm.serve`."""
+    delay = float(os.environ.get(ENV_PREWARM_DELAY_S) or 0)
+    if delay > 0:
+        select.select([sys.stdin], [], [], delay)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class LocalSnapshots:
         self._last_submit = float("-inf")
         self._cond = threading.Condition()
         self._pending: dict[str, Any] | None = None
+        self._preparing = False  # the training thread is copying the state for the next snapshot
         self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -97,7 +98,16 @@ class LocalSnapshots:
         """At a commit: snapshot unless the last one is younger than `period_s`."""
         if not self.writer or time.monotonic() - self._last_submit < self.period_s:
             return False
-        self.submit(core_state(core))
+        with self._cond:
+            self._preparing = True  # a flush (SIGTERM) waits for this commit's snapshot too
+        try:
+            state = core_state(core)
+        except BaseException:
+            with self._cond:
+                self._preparing = False
+                self._cond.notify_all()
+            raise
+        self.submit(state)
         return True
 
     def save_now(self, core: "TrainCore", timeout: float | None = 60.0) -> bool:
@@ -117,11 +127,13 @@ class LocalSnapshots:
                 atexit.register(self.close)  # a worker leaving (peer died, job done) still finishes the write
             self._last_submit = time.monotonic()
             self._pending = state
+            self._preparing = False
             self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy and not self._preparing,
+                                       timeout)
 
     def close(self, timeout: float | None = 60.0) -> None:
         if self._thread is None:
@@ -159,9 +171,10 @@ class LocalSnapshots:
 
 def finish_snapshot_on_sigterm(snapshots: "LocalSnapshots", timeout_s: float = 5.0) -> bool:
     """On SIGTERM (torch elastic stopping this worker for its next round): wait up to `timeout_s`
-    for the snapshot being written, then exit at once. The restarted world then resumes from the
-    newest commit, not the one before it (seen: a round restarted 0.2 s after a commit, while that
-    commit's snapshot was still being written). A thread watches the signal wakeup fd, so a main
+    for the snapshot being written, or being copied by a commit in progress, then exit at once.
+    The restarted world then resumes from the newest commit, not the one before it (seen: a round
+    restarted 0.2 s after a commit, while that commit's snapshot was still being written; and a
+    SIGTERM 50 ms after a commit, while its state was being copied). A thread watches the signal wakeup fd, so a main
     thread blocked in a collective delays nothing. Main thread only (False elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         return False

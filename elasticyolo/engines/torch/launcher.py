@@ -108,6 +108,9 @@ def run(settings: LaunchSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     _register_etcd3()
+    from elasticyolo.engines.torch import stop_overlap
+
+    stop_overlap.install()  # a round's old workers stop while the next round forms
     env = worker_env.read()
     conf = {"join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 5, "keep_alive_max_attempt": 3,
             "key_prefix": settings.key_prefix, **settings.rdzv_conf}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
-from elasticyolo.train.checkpointing import Checkpointer
+from elasticyolo.train.checkpointing import Checkpointer, open_checked_store
 from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
 from elasticyolo.train.digest import params_digest
@@ -127,10 +128,23 @@ def init_process_group(spec: TrainSpec) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=spec.gloo_timeout_s))
 
 
+@dataclass
+class PreparedWorker:
+    """What a warm process (`engines/prewarm.py`) builds before it is handed a round."""
+
+    core: TrainCore
+    store: Any  # the checkpoint store, opened and checked (None: the job has none)
+
+
+def prepare_worker(spec: TrainSpec, core: TrainCore) -> PreparedWorker:
+    # Any node may come to hold rank 0, which writes the checkpoints: check writing everywhere.
+    return PreparedWorker(core, open_checked_store(spec, write=True))
+
+
 def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] | None,
                sinks: list[ProgressSink] | None = None, progress: EtcdProgress | None = None,
-               commit_target_s: float = 2.0, core: TrainCore | None = None) -> Summary:
-    """`core`: built before the round by a warm process (`engines/prewarm.py`), else built here."""
+               commit_target_s: float = 2.0, prepared: PreparedWorker | None = None) -> Summary:
+    """`prepared`: by a warm process before the round, else everything is built here."""
     quiet_ultralytics()
     t_start = time.time()
     init_process_group(spec)
@@ -138,6 +152,7 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     work_dir = env.run_dir
+    core = prepared.core if prepared is not None else None
     if core is None:
         core = TrainCore(spec, rank=rank, world=world, local_rank=local_rank,
                          grad_allreduce=make_allreduce(world, spec.fp16_allreduce), work_dir=work_dir)
@@ -151,7 +166,8 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
                                period_s=env.snapshot_period(SNAPSHOT_PERIOD_S)) if snapshot_dir else None
     if snapshots is not None:
         finish_snapshot_on_sigterm(snapshots)
-    checkpointer = Checkpointer(spec, job, rank, sinks=sinks if rank == 0 else None)
+    checkpointer = Checkpointer(spec, job, rank, sinks=sinks if rank == 0 else None,
+                                store=prepared.store if prepared is not None else None)
     trace = TraceWriter()
     try:
         restored = restore_newest(core, snapshots, collectives, checkpointer)
@@ -203,12 +219,12 @@ def _proc_start() -> float | None:
 
 
 def main(spec: TrainSpec, sinks: list[ProgressSink] | None = None, progress: EtcdProgress | None = None,
-         commit_target_s: float = 2.0, core: TrainCore | None = None) -> int:
+         commit_target_s: float = 2.0, prepared: PreparedWorker | None = None) -> int:
     """The worker entry point (`elasticyolo worker` through the engine registry)."""
     env = worker_env.read()
     try:
         run_worker(spec, env.job or "default", env.snapshot_dir, sinks=sinks, progress=progress,
-                   commit_target_s=commit_target_s, core=core)
+                   commit_target_s=commit_target_s, prepared=prepared)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
