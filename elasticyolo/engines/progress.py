@@ -15,6 +15,7 @@ wrote (`worker_env.py`), never the command line.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import threading
 import time
@@ -47,8 +48,14 @@ class EtcdProgress:
         self._steps_seen = 0
         self.steady_per_worker: float | None = None  # best per-worker samples/s once the window is full
         self.min_interval = 1.0 / rate
-        self._latest: dict[str, Any] | None = None
+        self._latest: tuple[int, dict[str, Any]] | None = None
         self._cond = threading.Condition()
+        # Writers of one key (the publisher thread, `flush`, checkpoint threads) may race: a put
+        # is skipped when a newer record of its key was written already (seen: a job that ended
+        # at step 400 showed 399, the publisher's put landing after the final flush's).
+        self._order = itertools.count(1)
+        self._put_lock = threading.Lock()
+        self._written: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="etcd-progress", daemon=True)
         self._thread.start()
         atexit.register(self.flush)  # the last record (final metrics) must not die with the thread
@@ -64,12 +71,20 @@ class EtcdProgress:
 
     def flush(self) -> None:
         with self._cond:
-            rec, self._latest = self._latest, None
-        if rec is not None:
+            latest, self._latest = self._latest, None
+        if latest is not None:
+            self._put_in_order(self.keys.progress, latest[0], json.dumps(latest[1]))
+
+    def _put_in_order(self, key: str, order: int, body: str) -> None:
+        """Best effort: a failed put is overwritten by the next record of its key."""
+        with self._put_lock:
+            if order <= self._written.get(key, 0):
+                return
             try:
-                self.client.put(self.keys.progress, json.dumps(rec))
+                self.client.put(key, body)
             except (UnavailableError, EtcdError):
-                pass
+                return
+            self._written[key] = order
 
     def __call__(self, rec: dict[str, Any]) -> None:
         if rec.get("kind") == "checkpoint":
@@ -89,7 +104,7 @@ class EtcdProgress:
         if rec.get("metrics"):
             out["metrics"] = rec["metrics"]
         with self._cond:
-            self._latest = out
+            self._latest = (next(self._order), out)
             self._cond.notify()
 
     def resume(self, step: int, world: int, lost_steps: int | None, reason: str, **extra: Any) -> None:
@@ -108,15 +123,9 @@ class EtcdProgress:
 
     def _put_soon(self, key: str, value: dict[str, Any]) -> None:
         """Rare records (one per checkpoint) on a short-lived thread: never blocks a step."""
-        body = json.dumps(value)
-
-        def put() -> None:
-            try:
-                self.client.put(key, body)
-            except (UnavailableError, EtcdError):
-                pass  # best effort: the next record overwrites it
-
-        threading.Thread(target=put, name="etcd-record", daemon=True).start()
+        order, body = next(self._order), json.dumps(value)
+        threading.Thread(target=self._put_in_order, args=(key, order, body), name="etcd-record",
+                         daemon=True).start()
 
     def _run(self) -> None:
         last = 0.0
@@ -124,11 +133,8 @@ class EtcdProgress:
             with self._cond:
                 while self._latest is None:
                     self._cond.wait()
-                rec, self._latest = self._latest, None
-            try:
-                self.client.put(self.keys.progress, json.dumps(rec))
-            except (UnavailableError, EtcdError):
-                pass  # best effort: the next record retries
+                (order, rec), self._latest = self._latest, None
+            self._put_in_order(self.keys.progress, order, json.dumps(rec))
             last_wait = self.min_interval - (time.monotonic() - last)
             last = time.monotonic()
             if last_wait > 0:
