@@ -19,6 +19,17 @@ def test_a_dead_nodes_participant_expires_and_the_survivors_complete_at_once() -
     assert d.expire == {"h_3_0"} and d.complete_now
 
 
+def test_a_complete_round_that_lost_a_participant_is_replaced_by_the_next_at_once() -> None:
+    # a, b and c formed a round; c's node is gone: the survivors need not leave it one by one.
+    d = step({"h_1_0", "h_2_0", "h_3_0"}, {"h_1_0", "h_2_0", "h_3_0"}, live={"a", "b"}, complete=True)
+    assert d.expire == {"h_3_0"} and d.next_round and not d.complete_now
+    # Nobody gone, or the round still forming (torch's sanitizer drops the participant): no jump.
+    assert not step({"h_1_0", "h_2_0"}, {"h_1_0", "h_2_0"}, live={"a", "b"}, complete=True).next_round
+    assert not step({"h_1_0", "h_3_0"}, {"h_1_0", "h_3_0"}, live={"a", "b"}).next_round
+    # A gone node that is only in the wait list does not end the running round.
+    assert not step({"h_1_0", "h_2_0"}, {"h_1_0", "h_2_0", "h_3_0"}, live={"a", "b"}, complete=True).next_round
+
+
 def test_the_round_waits_for_a_live_node_that_has_not_joined_yet() -> None:
     d = step({"h_1_0"}, {"h_1_0", "h_2_0"}, live={"a", "b", "c"})
     assert not d.expire and not d.complete_now

@@ -18,7 +18,9 @@ Under the agents both are known sooner:
 
 `decide` (pure) turns that into actions on torch's state: participants of a gone
 node are expired at once (torch's own sanitizer then removes them; the running nodes then
-restart their round at once, `EtcdRendezvousHandler.num_nodes_waiting`), and a round whose
+restart their round at once, `EtcdRendezvousHandler.num_nodes_waiting`), a complete round that
+lost a participant is replaced by the next one at once (not after each survivor has left it in
+turn), and a round whose
 participants are every live node that is in the rendezvous is completed now instead of at
 `last_call_timeout`. A participant without a member key (plain torchrun) is never expired by
 us, and its presence keeps the last call as torch has it.
@@ -71,6 +73,7 @@ class Member:
 class Decision:
     expire: frozenset[str]  # participants' descs (str) whose node is gone
     complete_now: bool  # every live node known to the rendezvous has joined this round
+    next_round: bool = False  # a complete round lost a participant: start the next one now
 
 
 def decide(*, participants: Iterable[str], known: Iterable[str], complete: bool, deadline_set: bool,
@@ -95,7 +98,7 @@ def decide(*, participants: Iterable[str], known: Iterable[str], complete: bool,
     complete_now = (not complete and deadline_set and len(joined) >= min_nodes and bool(joined)
                     and all(d in members for d in alive)
                     and expected <= {members[d].node for d in joined})
-    return Decision(expire, complete_now)
+    return Decision(expire, complete_now, next_round=complete and bool(expire & set(participants)))
 
 
 class RendezvousView:
@@ -164,6 +167,16 @@ class MembershipStateHolder(_BackendRendezvousStateHolder):
         if d.complete_now:
             # torch's join op completes a round whose last-call deadline has passed.
             state.deadline = datetime.now(timezone.utc) - timedelta(milliseconds=1)
+        if d.next_round and state.complete:
+            # torch advances a complete round only when its last participant has left it: every
+            # survivor's exit op, one etcd write each in turn, before anyone can join the next
+            # (0.2-0.8 s on 2 busy cores). Advanced here instead, in this node's state, the
+            # survivors' exit ops have nothing to do and the first join writes the new round.
+            # The survivors still running see that they are no longer in their round and restart.
+            state.round += 1
+            state.complete = False
+            state.deadline = None
+            state.participants.clear()
 
 
 def _short_delay(seconds: float | tuple[float, float]) -> None:
