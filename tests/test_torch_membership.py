@@ -26,6 +26,10 @@ def test_a_complete_round_that_lost_a_participant_is_replaced_by_the_next_at_onc
     # Nobody gone, or the round still forming (torch's sanitizer drops the participant): no jump.
     assert not step({"h_1_0", "h_2_0"}, {"h_1_0", "h_2_0"}, live={"a", "b"}, complete=True).next_round
     assert not step({"h_1_0", "h_3_0"}, {"h_1_0", "h_3_0"}, live={"a", "b"}).next_round
+    # As the state holder calls it: participants and known as one-shot iterators.
+    it = decide(participants=iter(["h_1_0", "h_2_0", "h_3_0"]), known=iter(["h_1_0", "h_2_0", "h_3_0"]),
+                complete=True, deadline_set=False, min_nodes=1, members=M, live_nodes={"a", "b"})
+    assert it.expire == {"h_3_0"} and it.next_round
     # A gone node that is only in the wait list does not end the running round.
     assert not step({"h_1_0", "h_2_0"}, {"h_1_0", "h_2_0", "h_3_0"}, live={"a", "b"}, complete=True).next_round
 

@@ -90,15 +90,15 @@ def decide(*, participants: Iterable[str], known: Iterable[str], complete: bool,
     def gone(m: Member) -> bool:
         return m.node not in live_nodes or m.revision < newest[m.node]
 
-    known = set(known)
+    known, participants = set(known), set(participants)  # the state holder passes iterators
     expire = frozenset(d for d in known if d in members and gone(members[d]))
     alive = known - expire
-    joined = set(participants) - expire
+    joined = participants - expire
     expected = {m.node for m in members.values() if not gone(m)} | (set(live_nodes) if first_round else set())
     complete_now = (not complete and deadline_set and len(joined) >= min_nodes and bool(joined)
                     and all(d in members for d in alive)
                     and expected <= {members[d].node for d in joined})
-    return Decision(expire, complete_now, next_round=complete and bool(expire & set(participants)))
+    return Decision(expire, complete_now, next_round=complete and bool(expire & participants))
 
 
 class RendezvousView:
