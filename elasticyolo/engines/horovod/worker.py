@@ -28,7 +28,7 @@ from elasticyolo.engines import worker_env
 from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.horovod.abort import ABORT, CollectiveAborter, abort_collectives
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
-from elasticyolo.engines.horovod.state_sync import apply_plain, broadcast_flat, signature, state_tensors
+from elasticyolo.engines.horovod.state_sync import apply_plain, send_shards, signature, state_tensors
 from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
@@ -74,7 +74,8 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         # of model, optimizer and EMA from rank 0 changes nothing: skip it (measured: 0.25 s of
         # yolov8n on 2 CPU ranks), and hand out only rank 0's plain objects, whose rank-local
         # fields differ (core.RANK_LOCAL_PROGRESS). Otherwise, when the tensors line up on every
-        # rank, one flat broadcast per dtype (state_sync.py).
+        # rank, the ranks that hold rank 0's state send it to the others only, in shares
+        # (state_sync.send_shards): on a join the survivors copy nothing.
         if hvd.size() == 1:
             return
         t0 = time.perf_counter()
@@ -82,21 +83,28 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
         mine = (shared_progress(self.progress), self.ema_updates, params_digest(self.net),
                 optimizer_state_digest(self.opt.state_dict()), signature(tensors))
         everyone = hvd.allgather_object(mine, name="sync.same")
+        t_agreed = time.perf_counter()
         if all(other == mine for other in everyone):
             ObjectState.sync(self)  # progress (its rank-local fields), AMP scaler, EMA update count
             log.info("state already identical on every rank; tensors not broadcast", step=self.progress.get("step"),
                      seconds=round(time.perf_counter() - t0, 3))
             return
         if all(other[-1] == mine[-1] for other in everyone):
-            broadcast_flat(tensors, root=0)
-            apply_plain(self.opt, hvd.broadcast_object(plain, root_rank=0, name="sync.plain"))
-            ObjectState.sync(self)  # progress, AMP scaler, EMA update count
-            how = "flat"
+            senders = [r for r, other in enumerate(everyone) if other == everyone[0]]
+            receivers = [r for r, other in enumerate(everyone) if other != everyone[0]]
+            send_shards(tensors, senders, receivers)
+            # One broadcast for the optimizer's plain values and ObjectState's (progress, AMP
+            # scaler, EMA update count): what ObjectState.sync() broadcasts, in the same call.
+            plain, saved = hvd.broadcast_object((plain, self._saved_state), root_rank=0, name="sync.plain")
+            apply_plain(self.opt, plain)
+            self._saved_state = saved
+            self._set_attrs()
+            how = f"to ranks {receivers} from {senders}"
         else:
             super().sync()
             how = "tensor by tensor"
         log.info("state synced from rank 0", how=how, tensors=len(tensors), step=self.progress.get("step"),
-                 seconds=round(time.perf_counter() - t0, 3))
+                 seconds=round(time.perf_counter() - t0, 3), agreed_s=round(t_agreed - t0, 3))
 
     def restore(self) -> None:
         # Our collective failed: stop the peers that still wait on us at once, before the reset
