@@ -28,6 +28,7 @@ from elasticyolo.engines import worker_env
 from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.horovod.abort import ABORT, CollectiveAborter, abort_collectives
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
+from elasticyolo.engines.horovod.saved_state import buffered_handler
 from elasticyolo.engines.horovod.state_sync import apply_plain, send_shards, signature, state_tensors
 from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
@@ -55,6 +56,12 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
     quiesce_poller: QuiescePoller | None = None
     on_quiesce: Any = None  # called on every rank at the commit all ranks agreed to quiesce at
     aborter = CollectiveAborter()  # one worker process, one state
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # Rollback copies that training after a restore cannot write into, saved into reused
+        # buffers (saved_state.py).
+        self._handlers = {name: buffered_handler(h.value) or h for name, h in self._handlers.items()}
 
     def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
         # The driver lost a node of this world (engines/horovod/abort.py): fail the collective now

@@ -1,0 +1,73 @@
+"""Horovod's rollback point for the model and optimizer, kept in buffers of its own.
+
+Two things wrong with Horovod's `ModelStateHandler`/`OptimizerStateHandler` for us:
+- **A second failure rolled the optimizer back to a state training had written into.** The
+  stock restore loads the saved state dict itself, and `Optimizer.load_state_dict` keeps the
+  tensors it is given when their dtype and device already match: the momentum buffers after a
+  restore *are* the saved ones, and the next steps update them in place. A second failure before
+  the next commit (a burst of preemptions) then restored momentum from after the first restore,
+  beside parameters from the commit (measured: `tests/test_horovod_saved_state.py`'s scenario
+  fails with the stock handlers). Here a restore loads a copy.
+- Every save deep-copied the whole state dict: for yolov8n's model, EMA model and optimizer, 48
+  MB of new memory and about 1,300 new tensors every commit (every ~2 steps in the benches):
+  0.02-0.04 s a save on this 2-core machine, with spikes to 0.2 s, against 0.01 s when a save
+  copies into the tensors the previous save allocated, as here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from horovod.torch.elastic.state import ModelStateHandler, OptimizerStateHandler, StateHandler
+
+
+def copy_into(saved: Any, live: Any) -> Any:
+    """A copy of `live` (nested dicts, lists and tensors), written into `saved`'s tensors
+    wherever their shape, dtype and device match, and newly made elsewhere."""
+    if isinstance(live, torch.Tensor):
+        if (isinstance(saved, torch.Tensor) and saved.shape == live.shape and saved.dtype == live.dtype
+                and saved.device == live.device):
+            with torch.no_grad():
+                saved.copy_(live)
+            return saved
+        return live.detach().clone()
+    if isinstance(live, dict):
+        old = saved if isinstance(saved, dict) else {}
+        return type(live)((k, copy_into(old.get(k), v)) for k, v in live.items())
+    if isinstance(live, (list, tuple)):
+        old_items = list(saved) if isinstance(saved, (list, tuple)) and len(saved) == len(live) else [None] * len(live)
+        return type(live)(copy_into(o, v) for o, v in zip(old_items, live))
+    return copy.deepcopy(live)
+
+
+class BufferedModelState(ModelStateHandler):
+    def __init__(self, model: torch.nn.Module) -> None:
+        StateHandler.__init__(self, model)
+        self._saved_model_state = copy_into(None, model.state_dict())
+
+    def save(self) -> None:
+        self._saved_model_state = copy_into(self._saved_model_state, self.value.state_dict())
+
+    # restore(): Module.load_state_dict copies into the module's own tensors.
+
+
+class BufferedOptimizerState(OptimizerStateHandler):
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        StateHandler.__init__(self, optimizer)
+        self._saved_optimizer_state = copy_into(None, optimizer.state_dict())
+
+    def save(self) -> None:
+        self._saved_optimizer_state = copy_into(self._saved_optimizer_state, self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy_into(None, self._saved_optimizer_state))
+
+
+def buffered_handler(value: Any) -> StateHandler | None:
+    if isinstance(value, torch.nn.Module):
+        return BufferedModelState(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return BufferedOptimizerState(value)
+    return None
