@@ -42,24 +42,27 @@ def copy_into(saved: Any, live: Any) -> Any:
     return copy.deepcopy(live)
 
 
-class BufferedModelState(ModelStateHandler):
-    def __init__(self, model: torch.nn.Module) -> None:
-        StateHandler.__init__(self, model)
-        self._saved_model_state = copy_into(None, model.state_dict())
+class _SavesIntoBuffers:
+    """Horovod's handler with a save that writes into the previous save's tensors."""
+
+    saved_attr: str  # where Horovod's handler keeps the saved state dict (its restore reads it)
+    value: Any
+
+    def __init__(self, value: Any) -> None:
+        StateHandler.__init__(self, value)  # not the Horovod handler's __init__: it deep-copies
+        setattr(self, self.saved_attr, copy_into(None, value.state_dict()))
 
     def save(self) -> None:
-        self._saved_model_state = copy_into(self._saved_model_state, self.value.state_dict())
+        setattr(self, self.saved_attr, copy_into(getattr(self, self.saved_attr), self.value.state_dict()))
 
+
+class BufferedModelState(_SavesIntoBuffers, ModelStateHandler):
+    saved_attr = "_saved_model_state"
     # restore(): Module.load_state_dict copies into the module's own tensors.
 
 
-class BufferedOptimizerState(OptimizerStateHandler):
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        StateHandler.__init__(self, optimizer)
-        self._saved_optimizer_state = copy_into(None, optimizer.state_dict())
-
-    def save(self) -> None:
-        self._saved_optimizer_state = copy_into(self._saved_optimizer_state, self.value.state_dict())
+class BufferedOptimizerState(_SavesIntoBuffers, OptimizerStateHandler):
+    saved_attr = "_saved_optimizer_state"
 
     def restore(self) -> None:
         self.value.load_state_dict(copy_into(None, self._saved_optimizer_state))
