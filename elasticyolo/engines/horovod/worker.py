@@ -106,7 +106,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
             apply_plain(self.opt, plain)
             self._saved_state = saved
             self._set_attrs()
-            how = f"to ranks {receivers} from {senders}"
+            how = f"shares from {len(senders)} ranks to ranks {receivers}"
         else:
             super().sync()
             how = "tensor by tensor"
