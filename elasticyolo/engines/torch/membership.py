@@ -167,7 +167,7 @@ class MembershipStateHolder(_BackendRendezvousStateHolder):
         if d.complete_now:
             # torch's join op completes a round whose last-call deadline has passed.
             state.deadline = datetime.now(timezone.utc) - timedelta(milliseconds=1)
-        if d.next_round and state.complete:
+        if d.next_round:  # decided for this state's complete round
             # torch advances a complete round only when its last participant has left it: every
             # survivor's exit op, one etcd write each in turn, before anyone can join the next
             # (0.2-0.8 s on 2 busy cores). Advanced here instead, in this node's state, the
