@@ -86,6 +86,10 @@ class TrainSpec(S3Settings):
     save_period_s: float = Field(300.0, ge=0)
     keep_last: int = Field(3, ge=1)
     keep_epochs: bool = False
+    checkpoint_nice: int = Field(19, ge=0, le=19, description=(
+        "CPU priority (nice) of the background upload: 19 runs it only on CPU time training leaves "
+        "(SCHED_IDLE), so where training keeps every CPU busy a checkpoint can wait minutes; lower "
+        "values land it sooner at training's expense"))
 
     @field_validator("model")
     @classmethod

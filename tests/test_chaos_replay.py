@@ -26,6 +26,9 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
     cmd = [ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "3", "--compress", "20",
            "--start-hour", "1.43", "--hours", "0.1", "--calibrate-s", "2", "--train-images", "128",
            "--checkpoint-s", "60",
+           # Shared CPUs: a CPU quota per node (the default where cgroups are writable) takes this
+           # replay from ~4 to ~9 minutes; tests/test_cpu_slices.py runs agents in their slices.
+           "--cpus-per-node", "0",
            "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "work")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -33,6 +36,7 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
     fig = json.loads(out.read_text())
     assert png.stat().st_size > 10_000
     assert len(fig["changes"]) == 2 and fig["window"]["name"] == "hours 1.43-1.53"
+    assert fig["cpus_per_node"] is None and "nodes share the CPUs" in r.stdout
     assert set(fig["ideal_samples_per_s"]) == {"1", "2", "3"}
     assert all(v > 0 for v in fig["ideal_samples_per_s"].values())
     assert all(len(v) == 3 for v in fig["calibration_spans_samples_per_s"].values())  # their median is the ideal
@@ -72,6 +76,7 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--start-hour", "11", "--hours", "1"], "outside trace"),
     (["--start-hour", "1", "--hours", "1", "--notice-fraction", "1.5"], "--notice-fraction 1.5"),
+    (["--start-hour", "1", "--hours", "1", "--cpus-per-node", "-1"], "--cpus-per-node -1"),
 ])
 def test_bad_window_is_one_line_error(tmp_path: Path, args: list[str], message: str) -> None:
     r = subprocess.run([ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "3", "--compress", "10",

@@ -169,6 +169,13 @@ def test_a_restore_discards_later_steps_even_if_never_redone() -> None:
 def test_coverage_faults_find_duplicates_and_gaps() -> None:
     ev = [_step(1, 1, 0, 1, [0, 1, 1]), _step(2, 2, 0, 1, [3], start=3), _step(3, 3, 0, 1, [0], epoch=1)]
     assert coverage_faults(ev, 4) == (1, 1, 1)
+    # Steps recorded after the runner began stopping the cluster (`until`) are not counted: a step
+    # two ranks recorded but never completed as the stop began, redone by a world formed during
+    # the stop after a resume that, being after `until`, discards nothing.
+    stop = [_step(1, 1, 0, 1, [0, 1]), _step(5.5, 2, 1, 2, [2]), _step(5.6, 2, 2, 2, [3]),
+            {"ev": "resume", "t": 8.0, "step": 1, "rank": 0, "world": 1, "pid": 9}, _step(9, 2, 0, 1, [2, 3])]
+    assert coverage_faults(stop, 4, until=5.0) == (0, 0, 0)  # epoch 0 unfinished at the stop
+    assert coverage_faults(stop, 4) == (0, 0, 1)  # without a stop: the resume discards the step
     assert len(executions([_step(1, 1, 0, 2, [0]), _step(1.1, 1, 1, 2, [1]), _step(9, 1, 0, 2, [0])])) == 2
 
 

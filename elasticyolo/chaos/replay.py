@@ -7,6 +7,7 @@ run, and last the figures, the projection, the JSON and the plot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shlex
@@ -68,6 +69,7 @@ class ReplayOptions:
     workdir: Path | None = None
     keep: bool = False
     accuracy: bool = True  # compare the final mAP with an uninterrupted run (chaos/accuracy.py)
+    cpus_per_node: float | None = None  # CPU quota per simulated node; None: the host's split evenly, 0: none
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,13 @@ def prepare(o: ReplayOptions) -> Prepared:
         raise TraceError(f"--baseline {o.baseline!r}: only {BASELINE!r} is available")
     if o.engine not in ("horovod", "torch"):
         raise TraceError(f"--engine {o.engine!r}: horovod or torch")
+    if o.cpus_per_node is not None and not (o.cpus_per_node >= 0 and math.isfinite(o.cpus_per_node)):
+        raise TraceError(f"--cpus-per-node {o.cpus_per_node:g}: a CPU count >= 0")
+    if o.cpus_per_node:
+        from elasticyolo.testing.cpu_slices import cgroup_root
+
+        if cgroup_root() is None:
+            raise TraceError(f"--cpus-per-node {o.cpus_per_node:g}: no writable cgroup CPU controller on this host")
     trace = load_trace(o.trace)
     window = check_window(trace, o.start_hour, o.hours)
     tl = timeline(trace, window, o.nodes, o.compress)
@@ -138,6 +147,22 @@ def measured_costs(fig: Any, kinds: list[str], rates: dict[int, float], fraction
     return out
 
 
+def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.AbstractContextManager[Any]:
+    """Each simulated node's CPU quota (testing/cpu_slices.py): without one, the nodes share the
+    host's cores, and neither the ideal nor a join's cost is what separate machines would show."""
+    from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node
+
+    if o.cpus_per_node == 0:
+        say("nodes share the host's CPUs (--cpus-per-node 0)")
+        return contextlib.nullcontext()
+    if cgroup_root() is None:  # (an explicit quota was checked by prepare())
+        say("no writable cgroup CPU controller here: the nodes share the host's CPUs")
+        return contextlib.nullcontext()
+    cpus = o.cpus_per_node or default_cpus_per_node(o.nodes)
+    say(f"each node gets {cpus:.2f} CPUs (a CFS quota of its own)")
+    return CpuSlices(cpus)
+
+
 def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[str] | None = None) -> dict[str, Any]:
     prep = prepare(o)
     tl = prep.timeline
@@ -173,12 +198,18 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     # seeds, and on a recipe this short that alone moved mAP50-95 by 0.3. And mosaic off: at 64 px
     # it shrinks the objects so far that a few hundred steps learn them or not by chance (0.04 to
     # 0.68 mAP50-95 for runs 5 % of their parameters apart), so no comparison could be decided.
+    # And checkpoint_nice=0: the uploads land at the interval. At the default (idle CPU time only)
+    # a node that training keeps busy, as every replay node is, uploaded almost nothing, and each of
+    # the baseline's restarts went back to a checkpoint from before the window (committed 0 of
+    # 1664 samples in one run): a loss the interval does not explain. Both systems, and the
+    # calibration, pay the uploads' CPU alike.
     nbs = o.batch * math.lcm(*range(1, o.nodes + 1))
     spec = [f"model={o.model}", f"data={data}", "epochs=100000", f"imgsz={o.imgsz}", f"batch={o.batch}",
             f"nbs={nbs}", "policy=constant_global_batch", "warmup_epochs=0", "close_mosaic=0", "val=false",
             "amp=false", "workers=0", "cache=ram", "optimizer=SGD", "mosaic=0",
             f"engine={o.engine}", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4",
-            "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", "keep_epochs=true", *o.spec]
+            "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", "keep_epochs=true", "checkpoint_nice=0",
+            *o.spec]
     out: dict[str, Any] = {
         "command": "elasticyolo " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "trace": str(o.trace), "window": {"start_hour": o.start_hour, "hours": o.hours,
@@ -194,11 +225,13 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     t_begin = time.monotonic()
     failed = False
     try:
-        with EtcdCluster(size=1) as etcd, S3Server() as s3:
+        with EtcdCluster(size=1) as etcd, S3Server() as s3, contextlib.ExitStack() as stack:
             bucket = "elasticyolo-replay"
             boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id="testing",
                          aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
-            env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, prep.notice_s, say)
+            slices = stack.enter_context(cpu_slices(o, say))
+            out["cpus_per_node"] = round(slices.cpus, 3) if slices else None
+            env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, prep.notice_s, say, slices=slices)
             say("elasticyolo: calibrating steady-state samples/s per node count, then replaying")
             try:
                 final = tl.changes[-1].after if tl.changes else tl.initial

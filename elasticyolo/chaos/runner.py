@@ -19,12 +19,14 @@ from typing import Any, Callable
 from elasticyolo.chaos.measure import steady_rate
 from elasticyolo.chaos.schedule import Action, Plan
 from elasticyolo.testing.agent_cluster import AgentCluster
+from elasticyolo.testing.cpu_slices import CpuSlices
 from elasticyolo.testing.metadata_server import MetadataServer
 from elasticyolo.testing.wait import wait_for
 
 Say = Callable[[str], None]
 ELASTIC_JOB, RESTART_JOB, REFERENCE_JOB = "replay-elastic", "replay-restart", "replay-reference"
 CALIBRATION_SPANS = 3  # per node count; their median rate is the steady state
+SETTLE_TIMEOUT_S = 120.0  # for the nodes' standbys to warm before a measurement starts
 
 
 @dataclass
@@ -39,6 +41,7 @@ class ReplayEnv:
     notice_s: float
     say: Say = print
     startup_timeout_s: float = 600.0
+    slices: CpuSlices | None = None  # one CPU quota per node (testing/cpu_slices.py), or shared CPUs
 
 
 @dataclass
@@ -70,10 +73,14 @@ class _Nodes:
         # Drain well inside the (compressed) notice; the agent polls its metadata twice a second.
         self.margin_s = round(min(5.0, max(0.0, env.notice_s * 0.25)), 2)
 
+    def slice_name(self, node: str) -> str:
+        return f"{self.cluster.job}-{node}"
+
     def start(self, node: str) -> None:
         md = self.md[node] = MetadataServer(providers=("aws",)).start()
+        prefix = self.env.slices.prefix(self.slice_name(node)) if self.env.slices else []
         self.cluster.start(node, "--spot-provider", "aws", "--metadata-url", md.url, "--spot-poll-interval", "0.5",
-                           "--drain-margin-s", str(self.margin_s))
+                           "--drain-margin-s", str(self.margin_s), prefix=prefix)
 
     def alive(self, node: str) -> bool:
         a = self.cluster.agents.get(node)
@@ -88,6 +95,8 @@ class _Nodes:
     def kill(self, node: str) -> None:
         if self.alive(node):
             self.cluster.kill(node)
+        if self.env.slices:
+            self.env.slices.release(self.slice_name(node))
 
     def steps_after(self, t: float, world: int, n: int) -> bool:
         return len([s for s in self.cluster.steps(world=world) if s["t"] > t and s["rank"] == 0]) >= n
@@ -102,6 +111,29 @@ class _Nodes:
                  "a first checkpoint in S3", interval=0.5,
                  abort=lambda: "the job failed" if self.cluster.job_state() == "failed" else None)
 
+    def standbys_warm(self) -> bool:
+        """Every live node's newest warm worker (engines/prewarm.py logs when it starts warming and
+        when it is warm) is warm: what the nodes keep ready for the next change is built."""
+        for node in self.live():
+            newest, warm = None, set()
+            for r in self.cluster.logs(node):
+                if r.get("event") == "warming worker":
+                    newest = r.get("pid")
+                elif r.get("event") == "worker warm":
+                    warm.add(r.get("pid"))
+            if newest is not None and newest not in warm:
+                return False
+        return True
+
+    def settle(self, timeout: float) -> None:
+        """Until every node's standby is warm: a span measured before that is partly a standby's
+        imports and model build (a torch-elastic round refills every node's standby; on 0.44-CPU
+        nodes one took 28-38 s, at half the node). Past `timeout` it goes on and says so."""
+        try:
+            wait_for(self.standbys_warm, timeout, "every node's warm standby worker", interval=0.5)
+        except AssertionError as exc:
+            self.env.say(f"  going on without: {exc}")
+
     def wait_steps(self, after: float, n: int, timeout: float) -> None:
         wait_for(lambda: len([s for s in self.cluster.steps() if s["t"] > after and s["rank"] == 0]) >= n,
                  timeout, "steps after the last change", interval=0.5)
@@ -110,6 +142,9 @@ class _Nodes:
         try:
             self.cluster.stop()
         finally:
+            if self.env.slices:
+                for node in self.cluster.agents:
+                    self.env.slices.release(self.slice_name(node))
             for md in self.md.values():
                 md.stop()
             self.md.clear()
@@ -172,12 +207,14 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 nodes.start(ramp[n - 1])
             t_join = time.time()
             nodes.wait_world(n, t_join, 3, env.startup_timeout_s, f"training at world size {n}")
-            # Let the join settle (a joiner's start-up competes for the CPUs), then measure
-            # CALIBRATION_SPANS spans back to back. The steady state is their median: the best of
-            # a few short spans is biased upward by the machine's noise, and their pooled mean
-            # downward by a transient the settling missed (seen on 2 cores: world 3's spans at
-            # 21, 46 and 47 samples/s; 49 to 71 for the best of two across runs).
-            time.sleep(calibrate_s)
+            # Let the join settle (the nodes' standbys warm up), then measure CALIBRATION_SPANS
+            # spans back to back. The steady state is their median: the best of a few short spans
+            # is biased upward by the machine's noise, and their pooled mean downward by a
+            # transient the settling missed (seen on 2 cores: world 3's spans at 21, 46 and 47
+            # samples/s; 49 to 71 for the best of two across runs).
+            t_formed = time.time()
+            nodes.settle(SETTLE_TIMEOUT_S)
+            time.sleep(max(0.0, t_formed + calibrate_s - time.time()))  # and the join's own transient
             spans = []
             for _ in range(CALIBRATION_SPANS):
                 t_a = time.time()
@@ -203,6 +240,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
         n0 = len(plan.initial_nodes)
         nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
         nodes.wait_checkpoint(env.startup_timeout_s)
+        nodes.settle(SETTLE_TIMEOUT_S)
         t0 = time.time()
         say(f"elasticyolo: replay starts at world size {n0}")
 
@@ -241,6 +279,7 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
         n0 = len(plan.initial_nodes)
         nodes.wait_world(n0, 0.0, 5, env.startup_timeout_s, f"steady training at world size {n0}")
         nodes.wait_checkpoint(env.startup_timeout_s)
+        nodes.settle(SETTLE_TIMEOUT_S)
         t0 = time.time()
         say(f"checkpoint-restart: replay starts at world size {n0}")
 

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-s", type=float, default=300.0,
                    help="seconds of trace time between periodic S3 checkpoints (live: this / F)")
     p.add_argument("--calibrate-s", type=float, default=8.0, help="seconds measured per node count for the ideal")
+    p.add_argument("--cpus-per-node", type=float, default=None,
+                   help="CPU quota per simulated node (cgroup); default: the host's cores less 0.25, split "
+                        "evenly over K; 0: the nodes share the CPUs")
     p.add_argument("--set", dest="spec", action="append", default=[], metavar="KEY=VALUE",
                    help="extra training option for the job (repeatable)")
     p.add_argument("--json", dest="json_out", type=Path, required=True, help="write the figures here")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         notice_fraction=args.notice_fraction, seed=args.seed, model=args.model, imgsz=args.imgsz,
         batch=args.batch, train_images=args.train_images, checkpoint_s=args.checkpoint_s,
         calibrate_s=args.calibrate_s, spec=list(args.spec), workdir=args.workdir, keep=args.keep,
-        accuracy=args.accuracy,
+        accuracy=args.accuracy, cpus_per_node=args.cpus_per_node,
     )
     out = run_replay(opts, say=lambda m: print(m, flush=True))
     print(summary(out), flush=True)
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(out: dict) -> str:  # type: ignore[type-arg]
     lines = [f"\nwindow {out['window']['name']} of {out['trace']}: K={out['nodes']} F={out['compress']:g} "
-             f"engine={out['engine']} ({len(out['changes'])} changes)"]
+             f"engine={out['engine']} ({len(out['changes'])} changes; "
+             + (f"{out['cpus_per_node']:g} CPUs per node)" if out.get("cpus_per_node") else "nodes share the CPUs)")]
     lines.append(f"{'system':<20}{'committed':>10}{'lost':>8}{'goodput/ideal':>15}{'vs baseline':>13}"
                  f"{'dup':>5}{'skip':>5}  pauses s")
     for name, s in out["systems"].items():

@@ -46,7 +46,7 @@ class Checkpointer:
         if self.store is not None:
             self.manager = CheckpointManager(
                 self.store, job, save_period_steps=spec.save_period_steps, save_period_s=spec.save_period_s,
-                keep_last=spec.keep_last, keep_epochs=spec.keep_epochs,
+                keep_last=spec.keep_last, keep_epochs=spec.keep_epochs, background_nice=spec.checkpoint_nice,
             )
 
     @property
