@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from elasticyolo.testing.agent_cluster import AgentCluster
 from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node, host_cpus
+from elasticyolo.testing.wait import wait_for
 
 needs_cgroups = pytest.mark.skipif(cgroup_root() is None, reason="no writable cgroup CPU controller")
 BURN = ("import json, time\nt = time.process_time()\nend = time.time() + 2\nwhile time.time() < end: pass\n"
@@ -54,10 +54,7 @@ def test_close_kills_what_is_left_and_removes_the_cgroups() -> None:
     slices = CpuSlices(0.5)
     p = subprocess.Popen([*slices.prefix("n1"), sys.executable, "-c",
                           "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
-    deadline = time.time() + 20
-    while len(psutil.Process(p.pid).children()) < 1 and time.time() < deadline:
-        time.sleep(0.05)
-    child = psutil.Process(p.pid).children()[0]
+    child = wait_for(lambda: psutil.Process(p.pid).children()[0], 20, "the node's child process")
     assert f"/{slices.parent.name}/n1" in open(f"/proc/{child.pid}/cgroup").read()  # children follow
     slices.release("n1")
     slices.prefix("n2")

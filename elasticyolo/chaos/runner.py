@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from elasticyolo.chaos.measure import steady_rate
 from elasticyolo.chaos.schedule import Action, Plan
+from elasticyolo.engines.prewarm import WARM_EVENT, WARMING_EVENT
 from elasticyolo.testing.agent_cluster import AgentCluster
 from elasticyolo.testing.cpu_slices import CpuSlices
 from elasticyolo.testing.metadata_server import MetadataServer
@@ -117,9 +118,9 @@ class _Nodes:
         for node in self.live():
             newest, warm = None, set()
             for r in self.cluster.logs(node):
-                if r.get("event") == "warming worker":
+                if r.get("event") == WARMING_EVENT:
                     newest = r.get("pid")
-                elif r.get("event") == "worker warm":
+                elif r.get("event") == WARM_EVENT:
                     warm.add(r.get("pid"))
             if newest is not None and newest not in warm:
                 return False

@@ -31,6 +31,8 @@ from elasticyolo.engines.worker_env import ENV_PREWARM_DELAY_S, ENV_SPEC, Worker
 from elasticyolo.log import get_logger
 
 READY_LINE = "ELASTICYOLO-PREWARM-READY"
+# The pool's log events for a warm process (with its pid): `chaos replay` waits on them.
+WARMING_EVENT, WARM_EVENT = "warming worker", "worker warm"
 MAX_FAILURES = 3
 ENV_PREWARM = "ELASTICYOLO_PREWARM"  # "0": start plain workers (no warm pool)
 
@@ -90,7 +92,7 @@ class PrewarmPool:
             w = WarmProcess(slot, proc)
             with self._lock:
                 self.warm[slot] = w
-            self.log.info("warming worker", slot=slot, pid=proc.pid)
+            self.log.info(WARMING_EVENT, slot=slot, pid=proc.pid)
             threading.Thread(target=self._pump, args=(w,), name=f"prewarm-{slot}", daemon=True).start()
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -139,7 +141,7 @@ class PrewarmPool:
     def _pump(self, w: WarmProcess) -> None:
         def on_line(line: str) -> bool:
             if line.strip() == READY_LINE:
-                self.log.info("worker warm", slot=w.slot, pid=w.proc.pid)
+                self.log.info(WARM_EVENT, slot=w.slot, pid=w.proc.pid)
                 w.ready.set()
                 return True
             return False
