@@ -1,7 +1,7 @@
 """The engine interface: what a training engine provides so the agents can run it.
 
 An engine (Horovod Elastic, torch elastic, or a third one registered in `registry.py`) is one
-object with four parts:
+object with five parts:
 
 * `node(agent)` - its **agent-side** plug-in (`engines/node.py`, an `AgentPlugin`): runs the
   engine's share of the job on one node (worker processes; on the leader whatever coordinates
@@ -10,6 +10,8 @@ object with four parts:
   spec's engine up and calls this in a fresh process (torch is imported here, not before).
 * `plan_drain(situation)` - its **drain planner**: a pure function choosing how a node leaves the
   world (`engines/drain.py` runs the plan).
+* `worker_modules` - the modules its worker entry imports, which the warm pool's zygote
+  (`engines/zygote.py`) imports once before forking warm workers.
 * `commit_target_s` - **what a commit is**: every engine commits through `engines/commit.py`
   (`EngineCommit.save()`, the node-local snapshot, the store checkpoint, `EngineCommit.check()`),
   about every `commit_target_s` seconds of work unless the spec fixes `commit_every`.
@@ -81,6 +83,7 @@ class DrainSituation:
 class Engine(Protocol):
     name: str
     commit_target_s: float
+    worker_modules: tuple[str, ...]  # what its workers import: the warm pool's zygote imports them once
 
     def node(self, agent: "NodeAPI") -> "AgentPlugin":
         """Usually an `engines.node.EngineNode` (which runs the shared drain)."""

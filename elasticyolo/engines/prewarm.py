@@ -12,6 +12,10 @@ process per slot and hands it the next round's environment instead of starting a
 
 Protocol (worker side `serve()`, pool side `PrewarmPool`): the process prints `READY_LINE`
 when warm, then reads one JSON line (environment to add) and trains as a normal worker.
+
+The pool forks its warm processes from a zygote (`engines/zygote.py`) that has done the imports
+once, so a refill costs a node ~0.5 CPU-s instead of ~5; plain processes where it is off
+(`ELASTICYOLO_ZYGOTE=0`) or has failed.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.engines.spawn import kill_now, pump_output, spawn, worker_command
-from elasticyolo.engines.worker_env import ENV_PREWARM_DELAY_S, ENV_SPEC, WorkerEnv
+from elasticyolo.engines.spawn import child_env, kill_now, pump_output, spawn, worker_command
+from elasticyolo.engines.worker_env import ENV_PARENT_PID, ENV_PREWARM_DELAY_S, ENV_SPEC, WorkerEnv
+from elasticyolo.engines.zygote import PRELOAD, Zygote, ZygoteError, zygote_enabled
+from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 
 READY_LINE = "ELASTICYOLO-PREWARM-READY"
@@ -45,8 +51,12 @@ def prewarm_enabled() -> bool:
 @dataclass
 class WarmProcess:
     slot: int
-    proc: subprocess.Popen  # type: ignore[type-arg]
+    proc: Any  # subprocess.Popen or zygote.ForkedProcess; None while the zygote forks it
     ready: threading.Event = field(default_factory=threading.Event)
+    failed: bool = False  # the zygote could not fork it
+
+    def dead(self) -> bool:
+        return self.failed or (self.proc is not None and self.proc.poll() is not None)
 
 
 class PrewarmPool:
@@ -57,11 +67,15 @@ class PrewarmPool:
                  **log_fields: Any) -> None:
         self.spec_json, self.slots, self.work_dir = spec_json, slots, work_dir
         self.extra_env = dict(extra_env or {})
+        self.log_fields = log_fields
         self.log = get_logger("elasticyolo.prewarm", **log_fields)
         self.warm: dict[int, WarmProcess] = {}
         self.failures = 0  # warm processes that died before READY, in a row
         self._retry_at = 0.0
         self._lock = threading.Lock()
+        self._zygote: Zygote | None = None
+        self._zygote_failed = not zygote_enabled()
+        self._closed = False
 
     @property
     def gave_up(self) -> bool:
@@ -77,16 +91,25 @@ class PrewarmPool:
         for slot in range(self.slots):
             with self._lock:
                 w = self.warm.get(slot)
-                if w is not None and w.proc.poll() is not None:
-                    self.log.warning("warm worker died", slot=slot, code=w.proc.returncode)
+                if w is not None and w.dead():
+                    if not w.failed:
+                        self.log.warning("warm worker died", slot=slot, code=w.proc.returncode)
                     del self.warm[slot]
-                    if not w.ready.is_set():
+                    if not w.ready.is_set() and not w.failed:
                         self.failures += 1
                         self._retry_at = time.monotonic() + min(30.0, 2.0 ** self.failures)
                     w = None
             if w is not None or slot in busy or self.gave_up or time.monotonic() < self._retry_at:
                 continue
             env = {**os.environ, **self.extra_env, ENV_PREWARM_DELAY_S: str(delay_s)}
+            zygote = self._zygote_for_fill()
+            if zygote is not None:
+                w = WarmProcess(slot, None)
+                with self._lock:
+                    self.warm[slot] = w
+                threading.Thread(target=self._fork, args=(w, zygote, env), name=f"prewarm-{slot}",
+                                 daemon=True).start()
+                continue
             proc = spawn(worker_command("--prewarm-slot", str(slot)), env, WorkerEnv(spec_json=self.spec_json),
                          cwd=self.work_dir, stdin=subprocess.PIPE)
             w = WarmProcess(slot, proc)
@@ -95,6 +118,48 @@ class PrewarmPool:
             self.log.info(WARMING_EVENT, slot=slot, pid=proc.pid)
             threading.Thread(target=self._pump, args=(w,), name=f"prewarm-{slot}", daemon=True).start()
 
+    def _zygote_for_fill(self) -> Zygote | None:
+        """The zygote, started on first use from the filling thread (it must outlive the zygote,
+        as for any spawn); None where it is off or has failed (plain processes then)."""
+        if self._zygote_failed:
+            return None
+        if self._zygote is not None and not self._zygote.alive:
+            self.log.warning("zygote gone; warm workers start as fresh processes", code=self._zygote.proc.poll())
+            self._zygote_failed = True
+            return None
+        if self._zygote is None:
+            from elasticyolo.engines import registry
+
+            try:
+                engine = registry.get(json.loads(self.spec_json).get("engine", ""))
+                modules = (*PRELOAD, *getattr(engine, "worker_modules", ()))
+                self._zygote = Zygote(modules, {**os.environ, **self.extra_env}, WorkerEnv(spec_json=self.spec_json),
+                                      cwd=self.work_dir, **self.log_fields)
+            except (OSError, ValueError, UserError) as exc:
+                self.log.warning("no zygote; warm workers start as fresh processes", error=str(exc))
+                self._zygote_failed = True
+                return None
+        return self._zygote
+
+    def _fork(self, w: WarmProcess, zygote: Zygote, env: dict[str, str]) -> None:
+        cmd = worker_command("--prewarm-slot", str(w.slot))
+        try:
+            proc = zygote.fork(cmd[2], cmd[3:], child_env(env, WorkerEnv(spec_json=self.spec_json)), self.work_dir)
+        except ZygoteError as exc:
+            self.log.warning("zygote could not fork a warm worker; the next fill starts a fresh one",
+                             slot=w.slot, error=str(exc))
+            self._zygote_failed = True
+            w.failed = True
+            return
+        with self._lock:
+            w.proc = proc
+            cancelled = self._closed or self.warm.get(w.slot) is not w
+        if cancelled:
+            kill_now(proc)
+            return
+        self.log.info(WARMING_EVENT, slot=w.slot, pid=proc.pid, forked=True)
+        self._pump(w)
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every slot's process is warm (False: one died or it took too long)."""
         deadline = time.monotonic() + timeout_s
@@ -102,13 +167,13 @@ class PrewarmPool:
             procs = list(self.warm.values())
         for w in procs:
             while not w.ready.wait(0.1):
-                if w.proc.poll() is not None or time.monotonic() > deadline:
+                if w.dead() or time.monotonic() > deadline:
                     return False
         return len(procs) == self.slots
 
     def ready_slots(self) -> set[int]:
         with self._lock:
-            return {s for s, w in self.warm.items() if w.ready.is_set() and w.proc.poll() is None}
+            return {s for s, w in self.warm.items() if w.ready.is_set() and not w.dead()}
 
     def take(self, slot: int, env: dict[str, str], ready_only: bool = True) -> subprocess.Popen | None:  # type: ignore[type-arg]
         """Hand the warm process for `slot` its environment; None if there is none for this spec
@@ -116,7 +181,7 @@ class PrewarmPool:
         which trains as soon as it is warm (sooner than a fresh process would)."""
         with self._lock:
             w = self.warm.get(slot)
-            if w is None or w.proc.poll() is not None or (ready_only and not w.ready.is_set()):
+            if w is None or w.proc is None or w.dead() or (ready_only and not w.ready.is_set()):
                 return None
             if w.ready.is_set():
                 self.failures = 0
@@ -133,10 +198,13 @@ class PrewarmPool:
 
     def close(self) -> None:
         with self._lock:
-            procs = list(self.warm.values())
+            self._closed = True
+            procs = [w.proc for w in self.warm.values() if w.proc is not None]
             self.warm.clear()
-        for w in procs:
-            kill_now(w.proc)
+        for proc in procs:
+            kill_now(proc)
+        if self._zygote is not None:
+            self._zygote.close()  # it exits once the workers it handed over have
 
     def _pump(self, w: WarmProcess) -> None:
         def on_line(line: str) -> bool:
@@ -167,8 +235,11 @@ def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.
     line = sys.stdin.readline()
     if not line:
         return 0  # the agent closed the pool
+    lifeline = os.environ.get(ENV_PARENT_PID)
     os.environ.update(json.loads(line))
+    if lifeline is not None:  # who this process dies with is not the handing-over process's business
+        os.environ[ENV_PARENT_PID] = lifeline
     from elasticyolo.engines.lifeline import die_with_agent
 
-    die_with_agent()  # the same agent, re-checked
+    die_with_agent()  # the same parent, re-checked
     return train(ready)

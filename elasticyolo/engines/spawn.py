@@ -31,17 +31,22 @@ def worker_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "elasticyolo.cli", "worker", *args]
 
 
+def child_env(env: Mapping[str, str], worker_env: WorkerEnv | None = None) -> dict[str, str]:
+    """`env` plus `worker_env`, this process as the lifeline parent, unbuffered output."""
+    mine = replace(worker_env or WorkerEnv(), parent_pid=os.getpid()).to_env()
+    return {**env, **mine, "PYTHONUNBUFFERED": "1"}
+
+
 def spawn(cmd: Sequence[str], env: Mapping[str, str], worker_env: WorkerEnv | None = None, *,
           cwd: str | os.PathLike[str] | None = None, stdin: int | None = subprocess.DEVNULL,
-          capture_output: bool = True) -> subprocess.Popen[bytes]:
-    """Start `cmd` with `env` plus `worker_env` (and this process as its lifeline parent)."""
-    mine = replace(worker_env or WorkerEnv(), parent_pid=os.getpid()).to_env()
-    full = {**env, **mine, "PYTHONUNBUFFERED": "1"}
+          capture_output: bool = True, pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
+    """Start `cmd` with `child_env(env, worker_env)`."""
     if cwd is not None:
         Path(cwd).mkdir(parents=True, exist_ok=True)
     out = subprocess.PIPE if capture_output else None
-    return subprocess.Popen(list(cmd), env=full, cwd=cwd, stdin=stdin, stdout=out,
-                            stderr=subprocess.STDOUT if capture_output else None, start_new_session=True)
+    return subprocess.Popen(list(cmd), env=child_env(env, worker_env), cwd=cwd, stdin=stdin, stdout=out,
+                            stderr=subprocess.STDOUT if capture_output else None, start_new_session=True,
+                            pass_fds=tuple(pass_fds))
 
 
 def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:

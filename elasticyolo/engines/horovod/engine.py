@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class HorovodEngine:
     name = "horovod"
     commit_target_s = 1.0
+    worker_modules = ("elasticyolo.engines.horovod.worker",)
 
     def node(self, agent: "NodeAPI") -> "HorovodNode":
         from elasticyolo.engines.horovod.node import HorovodNode

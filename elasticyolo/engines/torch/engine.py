@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class TorchEngine:
     name = "torch"
     commit_target_s = 2.0
+    worker_modules = ("elasticyolo.engines.torch.worker", "elasticyolo.engines.progress")
 
     def node(self, agent: "NodeAPI") -> "TorchNode":
         from elasticyolo.engines.torch.node import TorchNode

@@ -1,0 +1,355 @@
+"""A zygote: one process per warm pool that imports what a worker needs once (torch and
+torch._dynamo, Ultralytics, boto3, the engine's worker module) and forks every warm worker from
+itself.
+
+Why: a warm worker spent ~4 of its ~4.8 CPU-s importing (stop 25: `import torch` 2.0 CPU-s, the
+`torch._dynamo` import that the first optimizer call makes 1.7, the engine's modules 0.5; model,
+datasets and warm-up pass 0.3). torch elastic replaces every node's worker at every change and
+every node then rebuilds its standby beside training: 28-38 s on a 0.44-CPU replay node. A child
+forked from the zygote starts with the imports done and is warm after ~0.5 CPU-s. A node's first
+warm worker costs what it did (the zygote imports first); every later one is cheap.
+
+Fork safety: the zygote runs no torch operation and starts no thread before forking (`import
+torch` leaves one idle native thread of its BLAS pool, which handles fork: torch's own DataLoader
+workers are forked the same way). The child starts a new session, takes its stdin and stdout from
+the pool (descriptors passed over a Unix socket), the pool's environment (its lifeline parent is
+the zygote) and runs `python -m MODULE ARGS` as a fresh interpreter would (runpy).
+
+Lifetime: the zygote dies with the pool's owner (the agent or the torch launcher:
+`engines/lifeline.py`) and its children die with it. When the pool closes, the zygote forks no
+more and exits once its last child has (a worker it handed over keeps training).
+
+Protocol (SOCK_SEQPACKET, one JSON message each): pool -> zygote {"id", "module", "args", "env",
+"cwd"} with two descriptors (stdin's read end, stdout's write end); zygote -> pool {"id", "pid"} or
+{"id", "error"}, and {"exit": pid, "code": c} when a child ends (c as `Popen.returncode`). No torch
+at import: the agent imports the pool side.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import itertools
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from typing import IO, Any, Mapping, Sequence
+
+from elasticyolo.engines.spawn import pump_output, spawn
+from elasticyolo.engines.worker_env import ENV_PARENT_PID, WorkerEnv
+from elasticyolo.log import get_logger
+
+ENV_ZYGOTE = "ELASTICYOLO_ZYGOTE"  # "0": warm workers start as fresh processes
+# What every worker imports, engine-neutral; the engine adds its `worker_modules`.
+PRELOAD = ("elasticyolo.train.core", "torch._dynamo", "boto3", "elasticyolo.commands.worker")
+_MAX_MESSAGE = 1 << 20
+
+
+def zygote_enabled() -> bool:
+    return os.environ.get(ENV_ZYGOTE, "1") != "0"
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not fork (it is gone, or the fork failed)."""
+
+
+# ---- pool side ----------------------------------------------------------------------------
+class ForkedProcess:
+    """The part of `subprocess.Popen` the pool, the launchers and torch elastic use, for a child
+    of the zygote (its exit code comes from the zygote, which reaps it)."""
+
+    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes], args: Sequence[str]) -> None:
+        self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, None
+        self.args = list(args)
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """Start from a thread that outlives it (as every spawn: see engines/lifeline.py); `fork()`
+    may be called from any thread and blocks until the zygote has imported and forked."""
+
+    def __init__(self, modules: Sequence[str], env: Mapping[str, str], worker_env: WorkerEnv,
+                 cwd: str | os.PathLike[str] | None = None, **log_fields: Any) -> None:
+        self.log = get_logger("elasticyolo.zygote", **log_fields)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = spawn([sys.executable, "-m", "elasticyolo.engines.zygote", str(theirs.fileno()), *modules],
+                              env, worker_env, cwd=cwd, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.sock = ours
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._waiting: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self._children: dict[int, ForkedProcess] = {}
+        self._early_exits: dict[int, int] = {}  # exits read before fork() registered the child
+        self._gone = False
+        self.log.info("zygote started", pid=self.proc.pid, modules=len(modules))
+        threading.Thread(target=pump_output, args=(self.log.bind(pid=self.proc.pid), self.proc.stdout),
+                         name="zygote-log", daemon=True).start()
+        threading.Thread(target=self._read, name="zygote-read", daemon=True).start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone and self.proc.poll() is None
+
+    def fork(self, module: str, args: Sequence[str], env: Mapping[str, str],
+             cwd: str | os.PathLike[str] | None, timeout_s: float = 300.0) -> ForkedProcess:
+        """`python -m module args` as a child of the zygote, with `env` (plus its lifeline)."""
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        request_id = next(self._ids)
+        done: tuple[threading.Event, list[dict[str, Any]]] = (threading.Event(), [])
+        with self._lock:
+            self._waiting[request_id] = done
+        request = {"id": request_id, "module": module, "args": list(args), "env": dict(env),
+                   "cwd": str(cwd) if cwd is not None else None}
+        try:
+            with self._send_lock:
+                socket.send_fds(self.sock, [json.dumps(request).encode()], [stdin_r, stdout_w])
+        except OSError as exc:
+            for fd in (stdin_r, stdin_w, stdout_r, stdout_w):
+                os.close(fd)
+            raise ZygoteError(f"zygote unreachable: {exc}") from exc
+        finally:
+            with self._lock:
+                if self._gone:
+                    done[0].set()
+        os.close(stdin_r)
+        os.close(stdout_w)
+        if not done[0].wait(timeout_s) or not done[1] or "pid" not in done[1][0]:
+            with self._lock:
+                self._waiting.pop(request_id, None)
+            os.close(stdin_w)
+            os.close(stdout_r)
+            reason = done[1][0].get("error") if done[1] else ("zygote exited" if self._gone else "no reply")
+            raise ZygoteError(f"zygote could not fork: {reason}")
+        pid = int(done[1][0]["pid"])
+        child = ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"),
+                              [sys.executable, "-m", module, *args])
+        with self._lock:
+            self._children[pid] = child
+            early = self._early_exits.pop(pid, None)
+            gone = self._gone
+        if early is not None:
+            child._exited(early)
+        elif gone:
+            child._exited(-signal.SIGKILL)  # its lifeline parent is gone
+        return child
+
+    def close(self) -> None:
+        """No more forks; the zygote exits once its children have."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def kill(self) -> None:
+        """The zygote and with it every child it still has (their lifeline)."""
+        self.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(_MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            try:
+                msg = json.loads(data)
+            except ValueError:
+                continue
+            with self._lock:
+                if "exit" in msg:
+                    pid, code = int(msg["exit"]), int(msg["code"])
+                    child = self._children.pop(pid, None)
+                    if child is None:
+                        self._early_exits[pid] = code
+                elif "id" in msg:
+                    child = None
+                    waiter = self._waiting.pop(int(msg["id"]), None)
+                    if waiter is not None:
+                        waiter[1].append(msg)
+                        waiter[0].set()
+                    continue
+                else:
+                    continue
+            if child is not None:
+                child._exited(code)
+        # The zygote is gone, and its children with it (their lifeline parent).
+        self.proc.wait()
+        with self._lock:
+            self._gone = True
+            children, self._children = list(self._children.values()), {}
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for child in children:
+            child._exited(-signal.SIGKILL)
+        for event, _ in waiting:
+            event.set()
+        self.log.info("zygote exited", code=self.proc.returncode)
+
+
+# ---- zygote side --------------------------------------------------------------------------
+def _exit_code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote_pid: int) -> None:
+    """In the forked child: become a fresh worker process, run the module, never return."""
+    code = 1
+    try:
+        from elasticyolo.engines.lifeline import die_with_parent
+
+        die_with_parent(zygote_pid)  # the zygote dies with the pool's owner; its children with it
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in close:
+            os.close(fd)
+        os.setsid()
+        os.dup2(fds[0], 0)
+        os.dup2(fds[1], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        env = {**request["env"], ENV_PARENT_PID: str(os.getppid())}  # the zygote is the lifeline parent
+        os.environ.clear()
+        os.environ.update(env)
+        import random
+
+        random.seed()  # not the zygote's state, shared by every child
+        sys.argv = [request["module"], *request["args"]]
+        import runpy
+
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the child must end here, never in the zygote's loop
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork a child per request until the pool closes, then wait for the children to end."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select (set_wakeup_fd)
+    signal.set_wakeup_fd(wake_w)
+    children: set[int] = set()
+    closing = False
+
+    def reply(msg: dict[str, Any]) -> None:
+        try:
+            sock.send(json.dumps(msg).encode())
+        except OSError:
+            pass  # the pool is gone: its children die with it anyway
+
+    while not (closing and not children):
+        readable, _, _ = select.select([wake_r] if closing else [sock, wake_r], [], [], 1.0)
+        if wake_r in readable:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            reply({"exit": pid, "code": _exit_code(status)})
+        if sock not in readable:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            closing = True
+            continue
+        request = json.loads(data)
+        try:
+            if len(fds) != 2:
+                raise OSError(f"expected 2 descriptors, got {len(fds)}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            me = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                _child(request, fds, (sock.fileno(), wake_r, wake_w), me)
+            children.add(pid)
+            reply({"id": request["id"], "pid": pid})
+        except OSError as exc:
+            reply({"id": request["id"], "error": str(exc)})
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    from elasticyolo.engines.lifeline import die_with_agent
+
+    die_with_agent()  # the pool's owner; the children's lifeline is this process
+    sock = socket.socket(fileno=int(args[0]))
+    for module in args[1:]:
+        importlib.import_module(module)
+    serve(sock)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The warm pool's zygote (engines/zygote.py): children forked from a real zygote process behave as
+the fresh processes they replace (stdin, stdout, exit codes, signals, session, environment,
+working directory, lifeline), and the zygote outlives a close only as long as its children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elasticyolo.engines.spawn import child_env
+from elasticyolo.engines.worker_env import ENV_PARENT_PID, WorkerEnv
+from elasticyolo.engines.zygote import Zygote, ZygoteError
+from elasticyolo.testing.wait import wait_for
+
+PROBE = """
+import json, os, sys
+line = sys.stdin.readline()
+print(json.dumps({"line": line.strip(), "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
+                  "parent": os.environ.get("%s"), "ppid": os.getppid(), "sid": os.getsid(0), "pid": os.getpid(),
+                  "argv": sys.argv[1:]}), flush=True)
+if line.strip() == "wait":
+    sys.stdin.readline()
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+""" % ENV_PARENT_PID
+
+
+@pytest.fixture
+def zygote(tmp_path: Path):  # type: ignore[no-untyped-def]
+    (tmp_path / "zprobe.py").write_text(textwrap.dedent(PROBE))
+    z = Zygote(["json"], {**os.environ, "PYTHONPATH": str(tmp_path)}, WorkerEnv(), cwd=tmp_path)
+    yield z
+    z.kill()
+
+
+def _fork(z: Zygote, tmp_path: Path, **env: str):  # type: ignore[no-untyped-def]
+    return z.fork("zprobe", ["a", "b"], child_env({**os.environ, **env}), tmp_path / "cwd", timeout_s=60)
+
+
+def test_a_forked_child_is_a_fresh_process_with_the_pools_environment(zygote: Zygote, tmp_path: Path) -> None:
+    (tmp_path / "cwd").mkdir()
+    child = _fork(zygote, tmp_path, PROBE_VALUE="from-the-pool", PROBE_EXIT="3")
+    child.stdin.write(b"hello\n")
+    child.stdin.close()
+    seen = json.loads(child.stdout.readline())
+    assert child.wait(30) == 3 and child.poll() == 3
+    assert seen["line"] == "hello" and seen["argv"] == ["a", "b"]
+    assert seen["env"] == "from-the-pool" and seen["cwd"] == str(tmp_path / "cwd")
+    assert seen["pid"] == child.pid and seen["sid"] == child.pid  # its own session: killpg takes its tree
+    # Its lifeline parent is the zygote (it dies with it), not the pool that asked for it.
+    assert seen["parent"] == str(zygote.proc.pid) == str(seen["ppid"])
+
+
+def test_signals_reach_the_child_and_its_code_says_so(zygote: Zygote, tmp_path: Path) -> None:
+    (tmp_path / "cwd").mkdir()
+    child = _fork(zygote, tmp_path)
+    child.stdin.write(b"wait\n")
+    child.stdin.flush()
+    assert json.loads(child.stdout.readline())["line"] == "wait"
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.2)  # still running
+    os.killpg(child.pid, signal.SIGTERM)
+    assert child.wait(30) == -signal.SIGTERM
+
+
+def test_a_closed_zygote_waits_for_its_children_and_a_killed_one_takes_them(zygote: Zygote, tmp_path: Path) -> None:
+    (tmp_path / "cwd").mkdir()
+    child = _fork(zygote, tmp_path)
+    child.stdin.write(b"wait\n")
+    child.stdin.flush()
+    child.stdout.readline()
+    zygote.close()
+    with pytest.raises(ZygoteError):
+        _fork(zygote, tmp_path)  # no more forks
+    assert zygote.alive  # a worker it handed over keeps training
+    child.stdin.write(b"done\n")
+    child.stdin.flush()
+    assert child.wait(30) == 0
+    wait_for(lambda: not zygote.alive, 30, "the zygote exits after its last child")
+
+    # A killed zygote takes its children down (their lifeline) and says so.
+    z2 = Zygote(["json"], {**os.environ, "PYTHONPATH": str(tmp_path)}, WorkerEnv(), cwd=tmp_path)
+    try:
+        orphan = _fork(z2, tmp_path)
+        orphan.stdin.write(b"wait\n")
+        orphan.stdin.flush()
+        orphan.stdout.readline()
+        z2.kill()
+        assert orphan.wait(30) == -signal.SIGKILL
+        wait_for(lambda: not _alive(orphan.pid), 30, "the orphaned child is gone")
+    finally:
+        z2.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
