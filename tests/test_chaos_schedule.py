@@ -234,3 +234,11 @@ def test_a_fast_ranks_first_step_is_not_rolled_back_by_a_slow_peers_resume() -> 
           s(3.0, 39, 3, 10), resume(4.0, 38, 2, 10), s(4.5, 39, 2, 10)]
     kept = [(e["t"], e["step"]) for e in committed_records(ev)]
     assert kept == [(1.0, 37), (2.1, 38), (2.3, 38), (4.5, 39)]  # 39 at world 3 was rolled back
+
+
+def test_calibration_spans_hold_whole_checkpoint_intervals() -> None:
+    from elasticyolo.chaos.replay import calibration_span_s
+
+    assert calibration_span_s(8.0, 5.0) == 10.0  # one checkpoint or two per 8 s span moved its rate
+    assert calibration_span_s(10.0, 5.0) == 10.0 and calibration_span_s(2.0, 3.0) == 3.0
+    assert calibration_span_s(8.0, 0.0) == 8.0  # no checkpoints: as asked

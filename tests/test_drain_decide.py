@@ -12,7 +12,7 @@ import pytest
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines.base import STOP, DrainMode, DrainPlan, DrainSituation, Quiesce
 from elasticyolo.engines.drain import (KILL_LEAD_S, RESUME_WAIT_S, Act, DrainExecutor, DrainObservation,
-                                       DrainProgress, decide)
+                                       DrainProgress, decide, kill_lead_s)
 from elasticyolo.engines.horovod.drain import plan_drain
 
 LEAVE = DrainPlan(DrainMode.LEAVE)
@@ -54,6 +54,17 @@ def test_leave_kills_the_worker_at_the_deadline_and_gives_up_on_lost_steps() -> 
     assert decide(LEAVE, done, obs(now=DEADLINE, workers=0)) is Act.RESUME_UNKNOWN  # deadline
     other = DrainProgress(worker_gone_at=10)
     assert decide(LEAVE, other, obs(now=10 + RESUME_WAIT_S + 0.1, workers=0)) is Act.RESUME_UNKNOWN
+
+
+def test_a_short_drain_window_still_gives_the_world_most_of_it_to_let_the_worker_go() -> None:
+    # A 2 s notice less a 0.5 s margin (a replay compressed 60x): the full lead would kill at once.
+    assert kill_lead_s(1.5) == pytest.approx(0.375) and kill_lead_s(115.0) == KILL_LEAD_S
+    lead = kill_lead_s(1.5)
+    short = lambda now: DrainObservation(now=now, deadline=DEADLINE, workers_running=1, kill_lead_s=lead)  # noqa: E731
+    done = DrainProgress()
+    assert decide(LEAVE, done, short(DEADLINE - 1.5)) is Act.WAIT
+    assert decide(LEAVE, done, short(DEADLINE - lead - 0.01)) is Act.WAIT
+    assert decide(LEAVE, done, short(DEADLINE - lead)) is Act.KILL_AT_DEADLINE
 
 
 def test_handover_quiesces_releases_then_stops() -> None:

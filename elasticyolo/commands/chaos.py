@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--train-images", type=int, default=512, help="size of the generated training set")
     p.add_argument("--checkpoint-s", type=float, default=300.0,
                    help="seconds of trace time between periodic S3 checkpoints (live: this / F)")
-    p.add_argument("--calibrate-s", type=float, default=8.0, help="seconds measured per node count for the ideal")
+    p.add_argument("--calibrate-s", type=float, default=8.0, help="seconds per calibration span of the ideal (rounded up to whole checkpoint intervals)")
     p.add_argument("--cpus-per-node", type=float, default=None,
                    help="CPU quota per simulated node (cgroup); default: the host's cores less 0.25, split "
                         "evenly over K; 0: the nodes share the CPUs")

@@ -38,8 +38,16 @@ from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
 # Stopping a worker takes up to spawn.KILL_GRACE_S (SIGTERM, then SIGKILL): start that much
-# (plus a second) before the deadline.
+# (plus a second) before the deadline; in a short drain window (a notice of a few seconds, as a
+# compressed replay gives) at most a quarter of it, or the world never gets the chance to let the
+# worker go at a commit (stop 25: a 1.5 s window was killed at once, a rollback every notice).
 KILL_LEAD_S = 4.0
+KILL_LEAD_FRACTION = 0.25
+
+
+def kill_lead_s(window_s: float) -> float:
+    """How long before the deadline a drain that started `window_s` before it stops waiting."""
+    return min(KILL_LEAD_S, max(0.0, window_s) * KILL_LEAD_FRACTION)
 # After our worker left, how long to wait for the survivors' resume record (lost-step count).
 RESUME_WAIT_S = 5.0
 
@@ -83,6 +91,7 @@ class DrainObservation:
     workers_running: int
     ack: dict[str, Any] | None = None  # the quiesce_ack for our request
     resume: dict[str, Any] | None = None  # a resume record written after the drain started
+    kill_lead_s: float = KILL_LEAD_S  # kill_lead_s(the drain's window)
 
 
 def decide(plan: DrainPlan, done: DrainProgress, obs: DrainObservation) -> Act:
@@ -95,13 +104,13 @@ def decide(plan: DrainPlan, done: DrainProgress, obs: DrainObservation) -> Act:
         if not done.acked:
             if obs.ack is not None:
                 return Act.ACCEPT_ACK
-            return Act.ACK_TIMEOUT if obs.now >= obs.deadline - KILL_LEAD_S else Act.WAIT
+            return Act.ACK_TIMEOUT if obs.now >= obs.deadline - obs.kill_lead_s else Act.WAIT
         if not done.released:
             return Act.RELEASE
     if obs.workers_running:
         if plan.mode is DrainMode.HANDOVER or done.killed:
             return Act.STOP_WORKERS
-        return Act.KILL_AT_DEADLINE if obs.now >= obs.deadline - KILL_LEAD_S else Act.WAIT
+        return Act.KILL_AT_DEADLINE if obs.now >= obs.deadline - obs.kill_lead_s else Act.WAIT
     if done.worker_gone_at is None:
         return Act.NOTE_WORKER_GONE
     if plan.mode is DrainMode.LEAVE and not done.resume_known:
@@ -132,6 +141,7 @@ class DrainExecutor:
 
     def __init__(self, node: NodeAPI, plan: DrainPlan, effects: DrainEffects) -> None:
         self.node, self.plan, self.effects = node, plan, effects
+        self.kill_lead_s = kill_lead_s(node.drain.deadline - time.monotonic())
         self.done = DrainProgress()
         self.request: dict[str, Any] | None = None
         self.acts: list[Act] = []  # history, for logs and tests
@@ -141,7 +151,7 @@ class DrainExecutor:
         node, plan = self.node, self.plan
         if plan.quiesce is not None:
             q = plan.quiesce
-            left = node.drain.deadline - time.monotonic() - KILL_LEAD_S
+            left = node.drain.deadline - time.monotonic() - self.kill_lead_s
             self.request = {"id": uuid.uuid4().hex[:12], "term": q.term, "checkpoint": q.checkpoint,
                             "hold": q.hold, "by": node.cfg.node_id, "at": time.time(), "timeout_s": max(1.0, left)}
         if plan.mode is not DrainMode.STOP:
@@ -178,7 +188,8 @@ class DrainExecutor:
             if resume is not None and float(resume.get("at", 0)) <= (self.node.drain.started_at or 0.0):
                 resume = None
         return DrainObservation(now=time.monotonic(), deadline=self.node.drain.deadline,
-                                workers_running=self.effects.running_workers(), ack=ack, resume=resume)
+                                workers_running=self.effects.running_workers(), ack=ack, resume=resume,
+                                kill_lead_s=self.kill_lead_s)
 
     def apply(self, act: Act, obs: DrainObservation) -> bool:
         """Carry `act` out; False when it could not be (etcd): try again next iteration."""
