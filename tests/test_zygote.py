@@ -23,7 +23,8 @@ import json, os, sys
 line = sys.stdin.readline()
 print(json.dumps({"line": line.strip(), "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
                   "parent": os.environ.get("%s"), "ppid": os.getppid(), "sid": os.getsid(0), "pid": os.getpid(),
-                  "argv": sys.argv[1:]}), flush=True)
+                  "argv": sys.argv[1:],
+                  "cmdline": open("/proc/self/cmdline").read().replace("\\0", " ").strip()}), flush=True)
 if line.strip() == "wait":
     sys.stdin.readline()
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
@@ -52,6 +53,7 @@ def test_a_forked_child_is_a_fresh_process_with_the_pools_environment(zygote: Zy
     assert seen["line"] == "hello" and seen["argv"] == ["a", "b"]
     assert seen["env"] == "from-the-pool" and seen["cwd"] == str(tmp_path / "cwd")
     assert seen["pid"] == child.pid and seen["sid"] == child.pid  # its own session: killpg takes its tree
+    assert seen["cmdline"].endswith("-m zprobe a b")  # ps shows what it runs, not the zygote
     # Its lifeline parent is the zygote (it dies with it), not the pool that asked for it.
     assert seen["parent"] == str(zygote.proc.pid) == str(seen["ppid"])
 

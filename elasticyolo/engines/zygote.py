@@ -240,6 +240,10 @@ def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote
         from elasticyolo.engines.lifeline import die_with_parent
 
         die_with_parent(zygote_pid)  # the zygote dies with the pool's owner; its children with it
+        from setproctitle import setproctitle
+
+        # ps shows what it runs, not the zygote (before the environment changes: it moves argv there)
+        setproctitle(" ".join([sys.executable, "-m", request["module"], *request["args"]]))
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in close:
@@ -261,6 +265,7 @@ def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote
         random.seed()  # not the zygote's state, shared by every child
         sys.argv = [request["module"], *request["args"]]
         import runpy
+
 
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -346,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     die_with_agent()  # the pool's owner; the children's lifeline is this process
     sock = socket.socket(fileno=int(args[0]))
+    import setproctitle  # noqa: F401  (finds argv's memory now, while the environment is the original)
+
     for module in args[1:]:
         importlib.import_module(module)
     serve(sock)
