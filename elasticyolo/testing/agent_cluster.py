@@ -129,12 +129,13 @@ class AgentCluster:
         return [e for e in self.steps(world) if e["t"] > t and e["rank"] == 0]
 
     def worker_of(self, node: str) -> int:
-        """The training worker pid (a rank in the current world) under `node`'s agent."""
+        """The training worker pid (a rank in the current world) under `node`'s agent (its child,
+        or its warm pool's zygote's: engines/zygote.py)."""
         agent = self.agents[node].proc
         assert agent is not None
         for pid in pids_by_rank(self.events()).values():
             try:
-                if psutil.Process(pid).ppid() == agent.pid:
+                if agent.pid in [p.pid for p in psutil.Process(pid).parents()[:2]]:
                     return pid
             except psutil.NoSuchProcess:
                 continue
