@@ -18,6 +18,7 @@ import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.testing.agent_cluster import AgentCluster
+from elasticyolo.testing.processes import running
 from elasticyolo.testing.trace import assert_each_epoch_exactly_once
 from elasticyolo.train.policy import nominal_accumulate, resize_ramp
 
@@ -49,14 +50,7 @@ def start_three(c: AgentCluster, data: Path, epochs: int) -> None:
 
 
 def alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    return [pid for pid in pids if running(pid)]
 
 
 def steps_after(events: list[dict], t: float, world: int) -> list[dict]:

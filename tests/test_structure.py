@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from elasticyolo.testing.processes import running
 from elasticyolo.testing.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,10 +215,7 @@ def _child_pid(path: Path) -> int:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return not running(pid)
 
 
 def test_child_dies_with_its_parent(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 from elasticyolo.engines.spawn import child_env
 from elasticyolo.engines.worker_env import ENV_PARENT_PID, WorkerEnv
 from elasticyolo.engines.zygote import Zygote, ZygoteError
+from elasticyolo.testing.processes import running
 from elasticyolo.testing.wait import wait_for
 
 PROBE = """
@@ -94,18 +95,6 @@ def test_a_closed_zygote_waits_for_its_children_and_a_killed_one_takes_them(zygo
         orphan.stdout.readline()
         z2.kill()
         assert orphan.wait(30) == -signal.SIGKILL
-        wait_for(lambda: not _alive(orphan.pid), 30, "the orphaned child is gone")
+        wait_for(lambda: not running(orphan.pid), 30, "the orphaned child is gone")
     finally:
         z2.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False

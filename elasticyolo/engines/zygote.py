@@ -130,25 +130,25 @@ class Zygote:
     def fork(self, module: str, args: Sequence[str], env: Mapping[str, str],
              cwd: str | os.PathLike[str] | None, timeout_s: float = 300.0) -> ForkedProcess:
         """`python -m module args` as a child of the zygote, with `env` (plus its lifeline)."""
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
         request_id = next(self._ids)
         done: tuple[threading.Event, list[dict[str, Any]]] = (threading.Event(), [])
-        with self._lock:
+        with self._lock:  # the reader wakes every waiter registered before it marks the zygote gone
+            if self._gone:
+                raise ZygoteError("zygote could not fork: zygote exited")
             self._waiting[request_id] = done
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
         request = {"id": request_id, "module": module, "args": list(args), "env": dict(env),
                    "cwd": str(cwd) if cwd is not None else None}
         try:
             with self._send_lock:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], [stdin_r, stdout_w])
         except OSError as exc:
+            with self._lock:
+                self._waiting.pop(request_id, None)
             for fd in (stdin_r, stdin_w, stdout_r, stdout_w):
                 os.close(fd)
             raise ZygoteError(f"zygote unreachable: {exc}") from exc
-        finally:
-            with self._lock:
-                if self._gone:
-                    done[0].set()
         os.close(stdin_r)
         os.close(stdout_w)
         if not done[0].wait(timeout_s) or not done[1] or "pid" not in done[1][0]:
