@@ -23,6 +23,7 @@ from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.engines import registry
 from elasticyolo.spec import TrainSpec
 from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, nodes_in_etcd
+from elasticyolo.testing.processes import running
 from elasticyolo.testing.wait import wait_for
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -61,10 +62,7 @@ def workers_of(agent: AgentProcess) -> list[int]:
 
 
 def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return not running(pid)
 
 
 def test_registry_knows_the_plugin_and_loads_it_lazily(plugin_env: dict[str, str]) -> None:

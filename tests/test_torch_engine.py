@@ -25,7 +25,9 @@ from elasticyolo.cluster.etcd import EtcdClient  # noqa: E402
 from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
+from elasticyolo.engines.prewarm import WARMING_EVENT  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
+from elasticyolo.testing.processes import running  # noqa: E402
 from elasticyolo.testing.trace import coverage_by_epoch, read_trace  # noqa: E402
 from elasticyolo.testing.wait import wait_for  # noqa: E402
 
@@ -106,10 +108,7 @@ class TorchJob:
 
 
 def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return not running(pid)
 
 
 @pytest.fixture
@@ -178,6 +177,10 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     # execution of each step).
     loaders = job.events("loader")
     assert loaders and all(e["workers"] == 2 for e in loaders), loaders
+    # Every round's worker was a warm one forked from its node's zygote (engines/zygote.py), not
+    # a fresh process started because the zygote failed.
+    warming = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == WARMING_EVENT]
+    assert len(warming) >= 4 and all(r.get("forked") for r in warming), warming
     events = read_trace(job.trace_dir)
     done_epochs = max(e["epoch"] for e in job.events("step"))
     assert done_epochs >= 1, "no epoch completed"

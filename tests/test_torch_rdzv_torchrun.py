@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-import psutil
 import pytest
 
 pytest.importorskip("torch")
 
 from elasticyolo.engines.torch.rendezvous import EtcdRendezvousBackend  # noqa: E402
+from elasticyolo.testing.processes import running  # noqa: E402
 from elasticyolo.testing.wait import wait_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,10 +111,7 @@ def nodes_factory(tmp_path: Path) -> Iterator[Callable[[str, str], Nodes]]:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return not running(pid)
 
 
 def test_torchrun_two_nodes_run_to_the_end(etcd_server, job_name, nodes_factory, tmp_path: Path) -> None:
