@@ -41,6 +41,18 @@ from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingL
 from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
 
 SNAPSHOT_PERIOD_S = 10.0  # node-local snapshots (for a leader loss) at most this often
+WAIT_POLL_S = 0.0005  # how often a rank waiting for its gradients' all-reduce looks
+
+
+def wait_quietly(handle: int) -> Any:
+    """`hvd.synchronize(handle)` without its busy wait: Horovod 0.28 waits for a collective in a
+    `sched_yield` loop, so the waiting training thread stays runnable and takes CPU from the
+    background thread that does the all-reduce (on a CPU-quota'd node, measured: every rank at
+    its quota while the world waited on the slowest). Polling with short sleeps leaves the CPU to
+    it; the result or the error (a failed collective raises here as before) is the same."""
+    while not hvd.poll(handle):
+        time.sleep(WAIT_POLL_S)
+    return hvd.synchronize(handle)
 
 log = get_logger("elasticyolo.worker")
 
@@ -262,9 +274,10 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepare
     def allreduce(grads: list[torch.Tensor]) -> None:
         if hvd.size() == 1:
             return
-        reduced = hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression, name="grads")
-        for g, r in zip(grads, reduced):
-            g.copy_(r)
+        compressed, ctxs = zip(*(compression.compress(g) for g in grads))
+        reduced = wait_quietly(hvd.grouped_allreduce_async(list(compressed), op=hvd.Average, name="grads"))
+        for g, r, ctx in zip(grads, reduced, ctxs):
+            g.copy_(compression.decompress(r, ctx))
 
     core.grad_allreduce = allreduce
     core.progress.world = 0  # built for world 1: the first set_world is not a resize
