@@ -1,36 +1,41 @@
-"""One CPU share per simulated node (testing/cpu_slices.py): a process started through a node's
-prefix lands in that node's cgroup, its children follow, the quota binds, nodes are spread over
-the cores, and closing removes every cgroup (killing what is left)."""
+"""A simulated node's CPUs (testing/cpu_slices.py): a process started through a node's prefix
+lands in the node's host cgroup and its children follow; one that enters the node's accelerator
+(train/sim_accelerator.py) is held to its quota on its own core; nodes are spread over the cores;
+a training worker trains on its accelerator while the agent, the zygote and the checkpoint
+uploader stay on the host; closing removes every cgroup (killing what is left)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
+from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.testing.agent_cluster import AgentCluster
 from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node, host_cpus
 from elasticyolo.testing.wait import wait_for
 
 needs_cgroups = pytest.mark.skipif(cgroup_root() is None, reason="no writable cgroup CPU controller")
-BURN = ("import json, time\nt = time.process_time()\nend = time.time() + 2\nwhile time.time() < end: pass\n"
+BURN = ("import json, time\nfrom elasticyolo.train import sim_accelerator\nsim_accelerator.enter(helpers=False)\n"
+        "t = time.process_time()\nend = time.time() + 2\nwhile time.time() < end: pass\n"
         "print(json.dumps([time.process_time() - t, open('/proc/self/cgroup').read()]))")
 
 
 def test_default_share_fits_the_busiest_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("elasticyolo.testing.cpu_slices.host_cpus", lambda: [0, 1])
-    assert default_cpus_per_node(4) == pytest.approx(0.4375)  # (2 - 0.25) / 4; two nodes per core
-    assert default_cpus_per_node(3) == pytest.approx(0.4375)  # two of the three share a core
-    assert default_cpus_per_node(1) == pytest.approx(0.875)  # one core less the reserve's share
+    assert default_cpus_per_node(4) == pytest.approx(0.375)  # (2 - 0.5) / 4; two nodes per core
+    assert default_cpus_per_node(3) == pytest.approx(0.375)  # two of the three share a core
+    assert default_cpus_per_node(1) == pytest.approx(0.75)  # one core less the reserve's share
     monkeypatch.setattr("elasticyolo.testing.cpu_slices.host_cpus", lambda: list(range(16)))
-    assert default_cpus_per_node(4) == pytest.approx(1 - 0.25 / 16)
+    assert default_cpus_per_node(4) == pytest.approx(1 - 0.5 / 16)
 
 
 @needs_cgroups
-def test_a_node_process_is_held_to_its_quota_and_pinned() -> None:
+def test_a_process_on_a_node_accelerator_is_held_to_its_quota_and_pinned() -> None:
     with CpuSlices(0.25) as slices:
         procs = [subprocess.Popen([*slices.prefix(n), sys.executable, "-c", BURN], stdout=subprocess.PIPE, text=True)
                  for n in ("a", "b")]
@@ -40,7 +45,7 @@ def test_a_node_process_is_held_to_its_quota_and_pinned() -> None:
             for p in procs:
                 p.kill()
         for node, cg in zip(("a", "b"), cgroups):
-            assert f"/{slices.parent.name}/{node}" in cg
+            assert f"/{slices.parent.name}/{node}\n" in cg
         # 2 s of wall time at a quarter of a CPU (the quota's granularity leaves some slack).
         assert all(0.2 < b < 0.9 for b in burned), burned
         if slices.pin_root is not None and len(host_cpus()) > 1:
@@ -55,7 +60,7 @@ def test_close_kills_what_is_left_and_removes_the_cgroups() -> None:
     p = subprocess.Popen([*slices.prefix("n1"), sys.executable, "-c",
                           "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
     child = wait_for(lambda: psutil.Process(p.pid).children()[0], 20, "the node's child process")
-    assert f"/{slices.parent.name}/n1" in open(f"/proc/{child.pid}/cgroup").read()  # children follow
+    assert f"/{slices.host_parent.name}/n1\n" in open(f"/proc/{child.pid}/cgroup").read()  # children follow
     slices.release("n1")
     slices.prefix("n2")
     assert slices.core_of("n2") == slices.core_of("n1")  # a released node's core takes the next one
@@ -63,20 +68,38 @@ def test_close_kills_what_is_left_and_removes_the_cgroups() -> None:
     assert p.wait(timeout=10) == -9
     psutil.wait_procs([child], timeout=10)
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
-    assert not slices.parent.exists() and (slices.pin_root is None or not slices.pin_root.exists())
+    assert not slices.parent.exists() and not slices.host_parent.exists()
+    assert slices.pin_root is None or not slices.pin_root.exists()
 
 
 @needs_cgroups
-def test_agents_run_in_their_nodes_slices(cluster: AgentCluster) -> None:
-    """How `chaos replay` starts a node: a real agent, through its slice's prefix."""
+@pytest.mark.timeout(300)
+def test_a_node_trains_on_its_accelerator_and_runs_everything_else_on_its_host(
+        cluster: AgentCluster, tmp_path: Path) -> None:
+    """How `chaos replay` starts a node: a real agent through its prefix, then a real job. Only
+    the training worker counts against the node's quota; the agent, its zygote and the checkpoint
+    uploader (forked from the worker's fork server) run beside it, as on a GPU node's host cores."""
+    data = write_dataset(tmp_path / "data", SynthSpec(train=16, val=4, imgsz=64, classes=2))
     with CpuSlices(0.4) as slices:
-        for node in ("n1", "n2"):
-            cluster.start(node, prefix=slices.prefix(node))
-        cluster.wait(lambda: set(cluster.nodes()) == {"n1", "n2"}, 60, "both agents registered")
-        for node in ("n1", "n2"):
-            proc = cluster.agents[node].proc
-            assert proc is not None
-            assert f"/{slices.parent.name}/{node}" in open(f"/proc/{proc.pid}/cgroup").read()
-            if slices.pin_root is not None:
-                assert psutil.Process(proc.pid).cpu_affinity() == [slices.core_of(node)]
+        cluster.start("n1", prefix=slices.prefix("n1"))
+        cluster.wait(lambda: set(cluster.nodes()) == {"n1"}, 60, "the agent registered")
+        agent = cluster.agents["n1"].proc
+        assert agent is not None
+        assert f"/{slices.host_parent.name}/n1\n" in open(f"/proc/{agent.pid}/cgroup").read()
+        assert psutil.Process(agent.pid).cpu_affinity() == host_cpus()  # a host is not pinned
+        cluster.submit("model=yolov8n.yaml", f"data={data}", "epochs=1000", "imgsz=64", "batch=4", "val=false",
+                       "amp=false", "workers=0", "warmup_epochs=0", "save_period_steps=2",
+                       f"checkpoint=file://{tmp_path / 'ckpt'}")
+        cluster.wait(lambda: cluster.client.get(cluster.keys.checkpoint_latest), 240, "a checkpoint")
+
+        def procs(group: Path) -> list[psutil.Process]:
+            return [psutil.Process(int(p)) for p in (group / "cgroup.procs").read_text().split()]
+
+        on_accel = procs(slices.parent / "n1")
+        assert [" ".join(p.cmdline()) for p in on_accel if "worker" not in " ".join(p.cmdline())] == []
+        assert len(on_accel) == 1, [p.cmdline() for p in on_accel]  # the one training process
+        if slices.pin_root is not None:
+            assert on_accel[0].cpu_affinity() == [slices.core_of("n1")]
+        host = " ".join(" ".join(p.cmdline()) for p in procs(slices.host_parent / "n1"))
+        assert "agent" in host and "forkserver" in host  # the uploader's fork server
         cluster.stop()

@@ -25,7 +25,7 @@ from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_tr
 from elasticyolo.errors import UserError
 
 BASELINE = "checkpoint-restart"
-VAL_IMAGES = 64  # the accuracy check's validation set: one image moves the mAP of 8 by a lot
+VAL_IMAGES = 256  # the accuracy check's validation set (64 until stop 26: fewer boxes, more sampling noise in each mAP)
 
 
 def calibration_span_s(calibrate_s: float, checkpoint_s: float) -> float:
@@ -76,7 +76,7 @@ class ReplayOptions:
     workdir: Path | None = None
     keep: bool = False
     accuracy: bool = True  # compare the final mAP with an uninterrupted run (chaos/accuracy.py)
-    cpus_per_node: float | None = None  # CPU quota per simulated node; None: the host's split evenly, 0: none
+    cpus_per_node: float | None = None  # each node's accelerator's CPU quota; None: the host's split evenly, 0: none
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,9 @@ def measured_costs(fig: Any, kinds: list[str], rates: dict[int, float], fraction
 
 
 def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.AbstractContextManager[Any]:
-    """Each simulated node's CPU quota (testing/cpu_slices.py): without one, the nodes share the
-    host's cores, and neither the ideal nor a join's cost is what separate machines would show."""
+    """Each simulated node's accelerator, a CPU quota for its training, beside its host (testing/
+    cpu_slices.py): without them, the nodes share the host's cores, and neither the ideal nor a
+    join's cost is what separate machines would show."""
     from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node
 
     if o.cpus_per_node == 0:
@@ -166,7 +167,8 @@ def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.Abstr
         say("no writable cgroup CPU controller here: the nodes share the host's CPUs")
         return contextlib.nullcontext()
     cpus = o.cpus_per_node or default_cpus_per_node(o.nodes)
-    say(f"each node gets {cpus:.2f} CPUs (a CFS quota of its own)")
+    say(f"each node trains on an accelerator of {cpus:.3g} CPUs (a CFS quota of its own); "
+        "its agent, standby and uploader run on its host beside it")
     return CpuSlices(cpus)
 
 

@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds of trace time between periodic S3 checkpoints (live: this / F)")
     p.add_argument("--calibrate-s", type=float, default=8.0, help="seconds per calibration span of the ideal (rounded up to whole checkpoint intervals)")
     p.add_argument("--cpus-per-node", type=float, default=None,
-                   help="CPU quota per simulated node (cgroup); default: the host's cores less 0.25, split "
-                        "evenly over K; 0: the nodes share the CPUs")
+                   help="CPU quota of each simulated node's accelerator (cgroup; the node's agent, standby and "
+                        "uploader run beside it); default: the host's cores less 0.5, split evenly over K; "
+                        "0: the nodes share the CPUs")
     p.add_argument("--set", dest="spec", action="append", default=[], metavar="KEY=VALUE",
                    help="extra training option for the job (repeatable)")
     p.add_argument("--json", dest="json_out", type=Path, required=True, help="write the figures here")

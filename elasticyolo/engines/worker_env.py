@@ -39,6 +39,9 @@ ENV_SNAPSHOT_S = "ELASTICYOLO_SNAPSHOT_S"  # inherited override of the engine's 
 # A replacement warm worker (engines/prewarm.py) waits this long before anything heavy, so that it
 # does not take the CPU from the worker it replaces while that one restores and takes its first steps.
 ENV_PREWARM_DELAY_S = "ELASTICYOLO_PREWARM_DELAY_S"
+# A node simulated on CPUs (testing/cpu_slices.py, inherited): the `cgroup.procs` files
+# (os.pathsep-separated) a worker moves itself to when it starts training (train/sim_accelerator.py).
+ENV_SIM_ACCELERATOR = "ELASTICYOLO_SIM_ACCELERATOR"
 
 DEFAULT_WORK_ROOT = "/var/tmp/elasticyolo"  # survives reboots, unlike a tmpfs /tmp
 

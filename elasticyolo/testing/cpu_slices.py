@@ -1,13 +1,19 @@
-"""One CPU share per simulated node: local agents that behave like separate machines.
+"""CPUs per simulated node: local agents that behave like separate GPU machines.
 
 On one host, simulated nodes share its cores: a node's throughput then depends on what every
 other process does, so more nodes need not train faster and a joiner's start-up slows the world
-it joins (measured on 2 cores: 4 nodes calibrated at 33, 73 and 65 samples/s in one run). Each
-node gets a CFS quota (cgroup v1 `cpu`, v2 `cpu.max`) and is pinned to one core (`cpuset`), as a
-VM has its own cores. Measured on 2 cores, 1..4 nodes of 0.44 CPU: quotas alone (10 ms period,
-free to run on either core) 18, 17, 23, 37 samples/s; pinned with a 20 ms period 20, 34, 50, 76.
-The period stays short because a node out of quota holds every rank's collective until its next
-period begins.
+it joins (measured on 2 cores: 4 nodes calibrated at 33, 73 and 65 samples/s in one run). A GPU
+node trains on its GPU and runs its agent, its warm standby's imports and its checkpoint uploads
+on host cores beside it. So each simulated node gets two cgroups: an *accelerator*, a CFS quota
+(cgroup v1 `cpu`, v2 `cpu.max`) pinned to one core (`cpuset`) with a weight far above everything
+else's, which a worker moves itself into when it starts training (`train/sim_accelerator.py`);
+and a *host*, no quota, any core, where the agent and everything it starts run.
+
+Measured on 2 cores: with the whole node in one 0.44-CPU quota, rank 0's node gave 0.10 CPU of
+it to its uploader and agent and set the whole world's pace (stop 26: 1..4 nodes calibrated at
+16, 28, 47 and 44 samples/s); with 0.375-CPU accelerators, 21, 36, 53 and 68. Quotas alone
+(10 ms period, free to run on either core) gave 18, 17, 23 and 37: the 20 ms period and the
+pinning matter, as a node out of quota holds every rank's collective until its next period begins.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import signal
 import time
 import uuid
 from pathlib import Path
+
+from elasticyolo.engines.worker_env import ENV_SIM_ACCELERATOR
 
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V1_CPUSET = Path("/sys/fs/cgroup/cpuset")
@@ -53,19 +61,27 @@ def host_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def default_cpus_per_node(nodes: int, reserve: float = 0.25) -> float:
-    """The host's cores minus `reserve` (etcd, the S3 server, the replay itself), split evenly
-    over the nodes, and no more than the busiest core can give each of the nodes pinned to it."""
+def default_cpus_per_node(nodes: int, reserve: float = 0.5) -> float:
+    """Each node's accelerator: the host's cores minus `reserve` (the nodes' hosts, etcd, the S3
+    server, the replay itself), split evenly over the nodes, and no more than the busiest core
+    can give each of the accelerators pinned to it."""
     cores = len(host_cpus())
     per_core = -(-max(1, nodes) // cores)
     return max(0.05, min((cores - reserve) / max(1, nodes), (1 - reserve / cores) / per_core))
 
 
 class CpuSlices:
-    """A parent cgroup for one run with one child per node, each with `cpus` CPUs of quota.
+    """Per simulated node, two cgroups: its accelerator, a quota of `cpus` CPUs pinned to one core
+    at a weight far above everything else's (so the quota is what it gets, whatever else runs),
+    and its host, no quota, any core, the default weight (beside etcd, the S3 server and the
+    replay itself).
 
-    `prefix(node)` is a command prefix that moves the started process into the node's cgroup
-    before it execs (its children, the node's workers, inherit it)."""
+    `prefix(node)` is a command prefix that moves the started process (an agent) into the node's
+    host cgroup before it execs (its children, the node's workers, inherit it) and tells it where
+    the accelerator is (`train/sim_accelerator.py`): a worker moves itself there when it starts
+    training. `parent` holds the accelerators, `host_parent` the hosts."""
+
+    ACCEL_WEIGHT = {1: 262144, 2: 10000}  # cpu.shares (v1, max) / cpu.weight (v2, max)
 
     def __init__(self, cpus: float, name: str | None = None) -> None:
         found = cgroup_root()
@@ -75,11 +91,16 @@ class CpuSlices:
         self.cpus = cpus
         name = name or f"elasticyolo-{uuid.uuid4().hex[:8]}"
         self.parent = self.root / name
+        self.host_parent = self.root / f"{name}-host"
         self.parent.mkdir()
+        self.host_parent.mkdir()
+        weight = self.ACCEL_WEIGHT[self.version]
+        (self.parent / ("cpu.shares" if self.version == 1 else "cpu.weight")).write_text(str(weight))
         # cgroup v1 keeps cpuset in a hierarchy of its own; v2 has it beside cpu.
         self.pin_root: Path | None = None
         if self.version == 2:
-            (self.parent / "cgroup.subtree_control").write_text("+cpu")
+            for p in (self.parent, self.host_parent):
+                (p / "cgroup.subtree_control").write_text("+cpu")
             try:
                 (self.parent / "cgroup.subtree_control").write_text("+cpuset")
                 self.pin_root = self.parent
@@ -90,7 +111,8 @@ class CpuSlices:
             self.pin_root.mkdir()
             for f in ("cpuset.cpus", "cpuset.mems"):
                 (self.pin_root / f).write_text((V1_CPUSET / f).read_text())
-        self.nodes: dict[str, Path] = {}
+        self.nodes: dict[str, Path] = {}  # accelerators
+        self.hosts: dict[str, Path] = {}
         self.pins: dict[str, tuple[Path, int]] = {}
         self.released: set[str] = set()
 
@@ -108,8 +130,15 @@ class CpuSlices:
             self.nodes[node] = path
         return path
 
+    def _host(self, node: str) -> Path:
+        if node not in self.hosts:
+            self.hosts[node] = self.host_parent / node
+            self.hosts[node].mkdir(exist_ok=True)
+        return self.hosts[node]
+
     def _pin(self, node: str) -> Path | None:
-        """The node's cpuset: the core with the fewest nodes pinned to it that were not released."""
+        """The accelerator's cpuset: the core with the fewest nodes pinned to it that were not
+        released."""
         if self.pin_root is None:
             return None
         if node not in self.pins:
@@ -126,13 +155,18 @@ class CpuSlices:
             self.pins[node] = (path, cpu)
         return self.pins[node][0]
 
-    def prefix(self, node: str) -> list[str]:
+    def accelerator(self, node: str) -> list[Path]:
+        """The `cgroup.procs` files a process writes its pid to to train on the node's accelerator."""
         groups = [self._make(node)]
         pin = self._pin(node)
         if pin is not None and pin != groups[0]:
             groups.append(pin)
-        moves = " && ".join(f"echo $$ > {g / 'cgroup.procs'}" for g in groups)
-        return ["sh", "-c", f'{moves} && exec "$@"', "sh"]
+        return [g / "cgroup.procs" for g in groups]
+
+    def prefix(self, node: str) -> list[str]:
+        accel = os.pathsep.join(str(p) for p in self.accelerator(node))
+        host = self._host(node) / "cgroup.procs"
+        return ["sh", "-c", f'echo $$ > {host} && export {ENV_SIM_ACCELERATOR}={accel} && exec "$@"', "sh"]
 
     def release(self, node: str) -> None:
         """The node is gone (killed, drained): its core takes the next node. Its cgroups stay
@@ -154,7 +188,8 @@ class CpuSlices:
     def close(self) -> None:
         """Kill what is left in the slices, then remove them (a cgroup with processes stays)."""
         pins = [p for p, _ in self.pins.values() if p not in self.nodes.values()]
-        for path in [*self.nodes.values(), *pins]:
+        groups = [*self.nodes.values(), *self.hosts.values(), *pins]
+        for path in groups:
             try:
                 pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
             except OSError:
@@ -164,8 +199,8 @@ class CpuSlices:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        tops = [self.parent] + ([self.pin_root] if self.pin_root not in (None, self.parent) else [])
-        for path in [*self.nodes.values(), *pins, *tops]:
+        tops = [self.parent, self.host_parent] + ([self.pin_root] if self.pin_root not in (None, self.parent) else [])
+        for path in [*groups, *tops]:
             for _ in range(50):
                 try:
                     path.rmdir()
@@ -175,6 +210,7 @@ class CpuSlices:
                 except OSError:
                     time.sleep(0.1)  # the killed processes are still exiting
         self.nodes.clear()
+        self.hosts.clear()
         self.pins.clear()
         self.released.clear()
 

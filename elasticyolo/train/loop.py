@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from elasticyolo.train.core import StepResult, TrainCore
+from elasticyolo.train import sim_accelerator
 from elasticyolo.train.fitness import should_stop
 
 ProgressSink = Callable[[dict[str, Any]], None]
@@ -109,6 +110,7 @@ class TrainingLoop:
 
     def run(self) -> Summary:
         core = self.core
+        sim_accelerator.enter(helpers=core.loader.workers > 0 or bool(core.spec.checkpoint))
         t0 = time.perf_counter()
         self.trace.write("loader", rank=core.rank, world=core.world, workers=core.loader.workers,
                          ready=core.loader.ready)
