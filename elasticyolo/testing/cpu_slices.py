@@ -111,13 +111,13 @@ class CpuSlices:
             self.pin_root.mkdir()
             for f in ("cpuset.cpus", "cpuset.mems"):
                 (self.pin_root / f).write_text((V1_CPUSET / f).read_text())
-        self.nodes: dict[str, Path] = {}  # accelerators
+        self.accelerators: dict[str, Path] = {}
         self.hosts: dict[str, Path] = {}
         self.pins: dict[str, tuple[Path, int]] = {}
         self.released: set[str] = set()
 
-    def _make(self, node: str) -> Path:
-        path = self.nodes.get(node)
+    def _accelerator_group(self, node: str) -> Path:
+        path = self.accelerators.get(node)
         if path is None:
             path = self.parent / node
             path.mkdir(exist_ok=True)
@@ -127,7 +127,7 @@ class CpuSlices:
                 (path / "cpu.cfs_quota_us").write_text(str(quota))
             else:
                 (path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-            self.nodes[node] = path
+            self.accelerators[node] = path
         return path
 
     def _host(self, node: str) -> Path:
@@ -147,7 +147,7 @@ class CpuSlices:
                 if other not in self.released:
                     load[cpu] += 1
             cpu = min(load, key=lambda c: (load[c], c))
-            path = self.pin_root / node if self.pin_root != self.parent else self._make(node)
+            path = self.pin_root / node if self.pin_root != self.parent else self._accelerator_group(node)
             path.mkdir(exist_ok=True)
             if self.version == 1:
                 (path / "cpuset.mems").write_text((self.pin_root / "cpuset.mems").read_text())
@@ -157,7 +157,7 @@ class CpuSlices:
 
     def accelerator(self, node: str) -> list[Path]:
         """The `cgroup.procs` files a process writes its pid to to train on the node's accelerator."""
-        groups = [self._make(node)]
+        groups = [self._accelerator_group(node)]
         pin = self._pin(node)
         if pin is not None and pin != groups[0]:
             groups.append(pin)
@@ -177,9 +177,9 @@ class CpuSlices:
         return self.pins[node][1] if node in self.pins else None
 
     def throttled_s(self) -> dict[str, float]:
-        """Seconds each node spent throttled (its quota used up): a check that the slices bind."""
+        """Seconds each node's accelerator spent throttled (its quota used up): a check that the quotas bind."""
         out = {}
-        for node, path in self.nodes.items():
+        for node, path in self.accelerators.items():
             stat = dict(line.split() for line in (path / "cpu.stat").read_text().splitlines() if line.strip())
             usec = int(stat.get("throttled_usec", 0)) or int(stat.get("throttled_time", 0)) // 1000
             out[node] = usec / 1e6
@@ -187,8 +187,8 @@ class CpuSlices:
 
     def close(self) -> None:
         """Kill what is left in the slices, then remove them (a cgroup with processes stays)."""
-        pins = [p for p, _ in self.pins.values() if p not in self.nodes.values()]
-        groups = [*self.nodes.values(), *self.hosts.values(), *pins]
+        pins = [p for p, _ in self.pins.values() if p not in self.accelerators.values()]
+        groups = [*self.accelerators.values(), *self.hosts.values(), *pins]
         for path in groups:
             try:
                 pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
@@ -209,7 +209,7 @@ class CpuSlices:
                     break
                 except OSError:
                     time.sleep(0.1)  # the killed processes are still exiting
-        self.nodes.clear()
+        self.accelerators.clear()
         self.hosts.clear()
         self.pins.clear()
         self.released.clear()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from elasticyolo.train.core import StepResult, TrainCore
 from elasticyolo.train import sim_accelerator
+from elasticyolo.train.core import StepResult, TrainCore
 from elasticyolo.train.fitness import should_stop
 
 ProgressSink = Callable[[dict[str, Any]], None]

@@ -43,6 +43,8 @@ from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
 SNAPSHOT_PERIOD_S = 10.0  # node-local snapshots (for a leader loss) at most this often
 WAIT_POLL_S = 0.0005  # how often a rank waiting for its gradients' all-reduce looks
 
+log = get_logger("elasticyolo.worker")
+
 
 def wait_quietly(handle: int) -> Any:
     """`hvd.synchronize(handle)` without its busy wait: Horovod 0.28 waits for a collective in a
@@ -53,8 +55,6 @@ def wait_quietly(handle: int) -> Any:
     while not hvd.poll(handle):
         time.sleep(WAIT_POLL_S)
     return hvd.synchronize(handle)
-
-log = get_logger("elasticyolo.worker")
 
 
 class AlwaysSyncTorchState(hvd.elastic.TorchState):
