@@ -79,3 +79,50 @@ def test_the_first_round_expects_every_live_node() -> None:
     later = decide(participants={"h_1_0", "h_2_0"}, known={"h_1_0", "h_2_0"}, complete=False, deadline_set=True,
                    min_nodes=1, members={k: M[k] for k in ("h_1_0", "h_2_0")}, live_nodes={"a", "b", "c"})
     assert later.complete_now  # c's launcher is not in the rendezvous: not waited for
+
+
+def test_a_launcher_that_left_is_expired_at_once_while_its_node_lives() -> None:
+    # c drained on a spot notice: its launcher stopped and marked its key left; c's agent (and
+    # its node record) lives until the kill. Its heartbeat is still in the state: without the
+    # marker the survivors' round waited for torch's heartbeat expiry (15 s).
+    members = {**M, "h_3_0": Member("c", 12, left=True)}
+    d = step({"h_1_0", "h_2_0"}, {"h_1_0", "h_2_0", "h_3_0"}, live={"a", "b", "c"}, members=members)
+    assert d.expire == {"h_3_0"} and d.complete_now
+    # The running round that c was in is replaced at once.
+    d = step({"h_1_0", "h_2_0", "h_3_0"}, {"h_1_0", "h_2_0", "h_3_0"}, live={"a", "b", "c"}, members=members,
+             complete=True)
+    assert d.next_round
+
+
+def test_a_late_left_marker_does_not_supersede_the_nodes_new_launcher() -> None:
+    # b's old launcher wrote its marker after b's new launcher registered (a newer revision).
+    members = {**M, "h_2_0": Member("b", 40, left=True), "h_9_0": Member("b", 30)}
+    d = step({"h_1_0", "h_3_0", "h_9_0"}, {"h_1_0", "h_2_0", "h_3_0", "h_9_0"}, {"a", "b", "c"}, members)
+    assert d.expire == {"h_2_0"} and d.complete_now
+
+
+def test_the_view_marks_a_member_left_and_reads_it_back() -> None:
+    from elasticyolo.cluster.keys import JobKeys
+    from elasticyolo.engines.torch.membership import RendezvousView
+
+    class Kv:
+        def __init__(self) -> None:
+            self.data: dict[str, tuple[bytes, int]] = {}
+            self.rev = 0
+
+        def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
+            return [(k, v, r) for k, (v, r) in sorted(self.data.items()) if k.startswith(prefix)]
+
+        def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
+            self.rev += 1
+            self.data[key] = (value.encode() if isinstance(value, str) else value, self.rev)
+            return self.rev
+
+    keys = JobKeys("j")
+    kv = Kv()
+    view = RendezvousView(kv, "rdzv/members/", keys)  # type: ignore[arg-type]
+    kv.put(keys.nodes + "a", "{}")
+    view.register("h_1_0", "a")
+    assert view.read() == ({"h_1_0": Member("a", 2)}, {"a"})
+    view.leave("h_1_0", "a")
+    assert view.read()[0] == {"h_1_0": Member("a", 3, left=True)}

@@ -101,6 +101,20 @@ def test_unreachable_etcd_raises_connection_error(job_name: str) -> None:
         b.set_state(b"x")
 
 
+def test_sigterm_during_a_request_stays_a_sigterm() -> None:
+    # torch's launcher turns SIGTERM into SignalException; raised inside an etcd request it must
+    # not become a connection error (the launcher then took its error path: see membership.py).
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def interrupted() -> None:
+        raise SignalException("got signal: 15", sigval=signal.SIGTERM)
+
+    with pytest.raises(SignalException):
+        EtcdRendezvousBackend._call(interrupted)
+
+
 def _increment(endpoints: str, run_id: str, times: int, q: "mp.Queue[int]") -> None:
     b = EtcdRendezvousBackend(endpoints, run_id)
     conflicts = 0

@@ -28,6 +28,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Protocol, Sequence
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousInfo,
@@ -182,8 +183,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return fn(*args)
         except UnavailableError as exc:
             raise RendezvousConnectionError(f"etcd is unavailable: {exc}") from exc
-        except RendezvousStateError:
-            raise
+        except (RendezvousStateError, SignalException):
+            raise  # SIGTERM while in a request: torch's launcher stops as on any SIGTERM
         except Exception as exc:  # noqa: BLE001 - torch expects one of its rendezvous errors
             raise RendezvousConnectionError(f"etcd request failed: {exc}") from exc
 
@@ -330,9 +331,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         etcd unreachable) this node just stops its heartbeats and leaves the rendezvous open, and
         the node plug-in restarts its launcher, which joins the next round."""
         exc = sys.exc_info()[1]
-        view = getattr(self._state_holder, "view", None)  # membership.py
-        if view is not None:
-            view.unregister(str(self._this_node))
+        leave = getattr(self, "_membership_leave", None)  # membership.py
+        if leave is not None:
+            leave()
         if exc is not None:
             log.warning("torch agent failed; leaving the rendezvous open for the other nodes",
                         run_id=self._settings.run_id, error=f"{type(exc).__name__}: {str(exc)[:300]}")
