@@ -39,7 +39,9 @@ def test_short_replay_end_to_end(tmp_path: Path) -> None:
     assert fig["cpus_per_node"] is None and "nodes share the CPUs" in r.stdout
     assert set(fig["ideal_samples_per_s"]) == {"1", "2", "3"}
     assert all(v > 0 for v in fig["ideal_samples_per_s"].values())
-    assert all(len(v) == 3 for v in fig["calibration_spans_samples_per_s"].values())  # their median is the ideal
+    spans = fig["calibration_spans_samples_per_s"]  # before and after the replay; their medians' mean is the ideal
+    assert set(spans) == {"before", "after"}
+    assert all(set(v) == {"1", "2", "3"} and all(len(r) == 3 for r in v.values()) for v in spans.values())
     systems = fig["systems"]
     assert set(systems) == {"elasticyolo", "checkpoint-restart"}
     for name, s in systems.items():

@@ -267,12 +267,15 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         elif not failed:
             say(f"work dir kept: {root}")
     out["wall_s"] = round(time.monotonic() - t_begin, 1)
-    # The ideal: the calibration's median steady rates (chaos/runner.py). The replays' own steady
-    # stretches are reported beside them as a check (the load can differ between the runs), not
-    # mixed in: raising the ideal to the best stretch seen made it the luckiest noise on the box.
+    # The ideal: the calibrations' median steady rates, before and after the replay (chaos/
+    # runner.py). The replays' own steady stretches are reported beside them as a check (the load
+    # can differ between the runs), not mixed in: raising the ideal to the best stretch seen made
+    # it the luckiest noise on the box.
     rates = dict(er.rates)
     out["ideal_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(rates.items())}
-    out["calibration_spans_samples_per_s"] = {str(n): [round(r, 2) for r in rs] for n, rs in sorted(er.span_rates.items())}
+    out["calibration_spans_samples_per_s"] = {
+        when: {str(n): [round(r, 2) for r in rs] for n, rs in sorted(spans.items())}
+        for when, spans in (("before", er.span_rates), ("after", er.span_rates_after))}
     out["steady_stretch_samples_per_s"] = {
         run.name: {str(n): round(r, 2) for n, r in sorted(stretch_rates(run.events, run.t_start, run.t_stop).items())}
         for run in runs}

@@ -54,19 +54,26 @@ class SystemRun:
     events: list[dict[str, Any]]
     applied: list[dict[str, Any]] = field(default_factory=list)  # actions as played (wall times)
     t_stop: float = float("inf")  # when the runner began stopping the cluster (its drains do not count)
-    span_rates: dict[int, list[float]] = field(default_factory=dict)  # each calibration span's samples/s
+    # Each calibration span's samples/s per node count, before the replay and after it.
+    span_rates: dict[int, list[float]] = field(default_factory=dict)
+    span_rates_after: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def rates(self) -> dict[int, float]:
-        """Steady-state samples/s per node count: the median of its calibration spans."""
-        return {n: statistics.median(spans) for n, spans in self.span_rates.items()}
+        """Steady-state samples/s per node count: the mean of the median of its spans before the
+        replay and the median after it. The machine's speed drifts over minutes (stop 26: world 2
+        calibrated at 47.8 samples/s and trained at 29.7 in the replay right after); a calibration
+        on both sides of the replay holds the replay's own minutes between them."""
+        return {n: statistics.fmean([statistics.median(s) for s in (spans, self.span_rates_after.get(n)) if s])
+                for n, spans in self.span_rates.items()}
 
 
 class _Nodes:
     """The agents of one job, each with its own metadata server (its own "VM")."""
 
-    def __init__(self, env: ReplayEnv, job: str, workdir: Path) -> None:
+    def __init__(self, env: ReplayEnv, job: str, workdir: Path, sliced: bool = True) -> None:
         self.env = env
+        self.slices = env.slices if sliced else None
         workdir.mkdir(parents=True, exist_ok=True)
         self.cluster = AgentCluster(env.etcd_endpoints, job, workdir,
                                     env={"OMP_NUM_THREADS": "1", **env.s3_env})
@@ -79,7 +86,7 @@ class _Nodes:
 
     def start(self, node: str) -> None:
         md = self.md[node] = MetadataServer(providers=("aws",)).start()
-        prefix = self.env.slices.prefix(self.slice_name(node)) if self.env.slices else []
+        prefix = self.slices.prefix(self.slice_name(node)) if self.slices else []
         self.cluster.start(node, "--spot-provider", "aws", "--metadata-url", md.url, "--spot-poll-interval", "0.5",
                            "--drain-margin-s", str(self.margin_s), prefix=prefix)
 
@@ -96,8 +103,8 @@ class _Nodes:
     def kill(self, node: str) -> None:
         if self.alive(node):
             self.cluster.kill(node)
-        if self.env.slices:
-            self.env.slices.release(self.slice_name(node))
+        if self.slices:
+            self.slices.release(self.slice_name(node))
 
     def steps_after(self, t: float, world: int, n: int) -> bool:
         return len([s for s in self.cluster.steps(world=world) if s["t"] > t and s["rank"] == 0]) >= n
@@ -143,9 +150,9 @@ class _Nodes:
         try:
             self.cluster.stop()
         finally:
-            if self.env.slices:
+            if self.slices:
                 for node in self.cluster.agents:
-                    self.env.slices.release(self.slice_name(node))
+                    self.slices.release(self.slice_name(node))
             for md in self.md.values():
                 md.stop()
             self.md.clear()
@@ -192,7 +199,8 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
 def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, calibrate_s: float,
                 final_world: int = 0) -> SystemRun:
     """elasticyolo: calibrate steady-state samples/s at 1..max_nodes nodes (one node joining at a
-    time, no failures), return to the window's initial world, then replay the plan."""
+    time, no failures), return to the window's initial world, replay the plan, then calibrate
+    again from max_nodes down to 1 (one node leaving at a time)."""
     say = env.say
     job = ELASTIC_JOB
     nodes = _Nodes(env, job, env.workdir / "elasticyolo")
@@ -206,38 +214,8 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
         for n in range(1, max_nodes + 1):
             if n > 1:
                 nodes.start(ramp[n - 1])
-            t_join = time.time()
-            nodes.wait_world(n, t_join, 3, env.startup_timeout_s, f"training at world size {n}")
-            # Let the join settle (the nodes' standbys warm up), then measure CALIBRATION_SPANS
-            # spans back to back. The steady state is their median: the best of a few short spans
-            # is biased upward by the machine's noise, and their pooled mean downward by a
-            # transient the settling missed (seen on 2 cores: world 3's spans at 21, 46 and 47
-            # samples/s; 49 to 71 for the best of two across runs).
-            t_formed = time.time()
-            nodes.settle(SETTLE_TIMEOUT_S)
-            time.sleep(max(0.0, t_formed + calibrate_s - time.time()))  # and the join's own transient
-            spans = []
-            for _ in range(CALIBRATION_SPANS):
-                t_a = time.time()
-                # A span: at least calibrate_s and at least 5 steps at this size.
-                wait_for(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
-                         env.startup_timeout_s, f"5 steps at world size {n}", interval=0.5)
-                got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
-                if got is not None:
-                    spans.append(got)
-            if not spans:
-                raise RuntimeError(f"no steady steps at world size {n} to measure")
-            span_rates[n] = spans
-            say(f"ideal: {n} node(s) train {statistics.median(spans):.1f} samples/s (median of {len(spans)} x {calibrate_s:g}s; "
-                f"spans {', '.join(f'{r:.1f}' for r in spans)})")
-        for x in extra:  # back to the window's initial size: the extra nodes leave with a notice
-            nodes.notice(x, env.notice_s)
-        t_drop = time.time()
-        if extra:
-            wait_for(lambda: all(not nodes.alive(x) or time.time() > t_drop + env.notice_s for x in extra),
-                     env.notice_s + 30, "the calibration nodes to leave", interval=0.2)
-            for x in extra:
-                nodes.kill(x)
+            span_rates[n] = _calibrate_at(nodes, n, calibrate_s, "before the replay")
+        _leave(nodes, extra)  # back to the window's initial size
         n0 = len(plan.initial_nodes)
         nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
         nodes.wait_checkpoint(env.startup_timeout_s)
@@ -258,10 +236,63 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
 
         played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
         t_stop = time.time()
+        # The calibration again, from max_nodes down to one node (one leaving at a time, with a
+        # notice): the replay's minutes lie between the two.
+        say("elasticyolo: calibrating again after the replay, from the largest world down")
+        after: dict[int, list[float]] = {}
+        live = nodes.live()
+        more = [f"y{i}" for i in range(1, max_nodes - len(live) + 1)]
+        for y in more:
+            nodes.start(y)
+        order = more + live  # who leaves first
+        for n in range(max_nodes, 0, -1):
+            after[n] = _calibrate_at(nodes, n, calibrate_s, "after the replay")
+            if n > 1:
+                _leave(nodes, [order[max_nodes - n]])
+        t_end = time.time()
         nodes.stop()
-        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, t_stop, span_rates)
+        events = [e for e in nodes.cluster.events() if e["t"] <= t_end]
+        return SystemRun("elasticyolo", t0, events, played, t_stop, span_rates, after)
     finally:
         nodes.stop()
+
+
+def _calibrate_at(nodes: _Nodes, n: int, calibrate_s: float, when: str) -> list[float]:
+    """Samples/s of CALIBRATION_SPANS spans at world size `n` once it trains and has settled.
+    The steady state is their median: the best of a few short spans is biased upward by the
+    machine's noise, and their pooled mean downward by a transient the settling missed (seen on
+    2 cores: world 3's spans at 21, 46 and 47 samples/s; 49 to 71 for the best of two across runs)."""
+    env = nodes.env
+    nodes.wait_world(n, time.time(), 3, env.startup_timeout_s, f"training at world size {n}")
+    t_formed = time.time()
+    nodes.settle(SETTLE_TIMEOUT_S)  # the nodes' standbys warm up
+    time.sleep(max(0.0, t_formed + calibrate_s - time.time()))  # and the change's own transient
+    spans = []
+    for _ in range(CALIBRATION_SPANS):
+        t_a = time.time()
+        # A span: at least calibrate_s and at least 5 steps at this size.
+        wait_for(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
+                 env.startup_timeout_s, f"5 steps at world size {n}", interval=0.5)
+        got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
+        if got is not None:
+            spans.append(got)
+    if not spans:
+        raise RuntimeError(f"no steady steps at world size {n} to measure")
+    env.say(f"ideal: {n} node(s) train {statistics.median(spans):.1f} samples/s {when} (median of {len(spans)} x "
+            f"{calibrate_s:g}s; spans {', '.join(f'{r:.1f}' for r in spans)})")
+    return spans
+
+
+def _leave(nodes: _Nodes, leaving: list[str]) -> None:
+    """Calibration nodes leave as a spot node does: a notice, then gone."""
+    for x in leaving:
+        nodes.notice(x, nodes.env.notice_s)
+    t_drop = time.time()
+    if leaving:
+        wait_for(lambda: all(not nodes.alive(x) or time.time() > t_drop + nodes.env.notice_s for x in leaving),
+                 nodes.env.notice_s + 30, "the calibration nodes to leave", interval=0.2)
+        for x in leaving:
+            nodes.kill(x)
 
 
 def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int,
@@ -300,8 +331,10 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
 
 def run_reference(env: ReplayEnv, job: str, world: int, max_nodes: int, until_epoch: int, timeout_s: float) -> None:
     """An uninterrupted run for the accuracy check: `world` nodes, no changes, until the job's
-    checkpoint of epoch `until_epoch`'s end has landed (a later epoch's checkpoint is in etcd)."""
-    nodes = _Nodes(env, job, env.workdir / "reference")
+    checkpoint of epoch `until_epoch`'s end has landed (a later epoch's checkpoint is in etcd).
+    No accelerator quota: it computes the same steps whatever its speed (one thread, as in the
+    replay), and the host's idle cores finish them in a third of the time."""
+    nodes = _Nodes(env, job, env.workdir / "reference", sliced=False)
     try:
         for i in range(world):
             nodes.start(f"r{i + 1}")
