@@ -249,10 +249,8 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
             after[n] = _calibrate_at(nodes, n, calibrate_s, "after the replay")
             if n > 1:
                 _leave(nodes, [order[max_nodes - n]])
-        t_end = time.time()
         nodes.stop()
-        events = [e for e in nodes.cluster.events() if e["t"] <= t_end]
-        return SystemRun("elasticyolo", t0, events, played, t_stop, span_rates, after)
+        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, t_stop, span_rates, after)
     finally:
         nodes.stop()
 

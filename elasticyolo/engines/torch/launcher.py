@@ -132,9 +132,8 @@ def run(settings: LaunchSettings, pool: PrewarmPool | None = None) -> int:
         local_addr=settings.local_addr, start_method="spawn",
     )
     cmd = worker_command()  # `elasticyolo worker`: the spec (from the environment) says engine=torch
-    warm = None
     try:
-        warm = warm_starts(pool, settings)
+        warm_starts(pool, settings)  # installs itself in torch's agent: it hands the rounds' workers
         elastic_launch(config, cmd[0])(*cmd[1:])
     except SignalException:
         return EXIT_SIGTERM
@@ -162,7 +161,7 @@ def main() -> None:
     settings = LaunchSettings.from_json(env.engine_config)
     # Workers (started by torch from this process) must die with this process, not the agent.
     os.environ.update(replace(env, parent_pid=os.getpid()).to_env())
-    sys.exit(run(settings, start_warm_pool(settings, worker_env.read())))
+    sys.exit(run(settings, start_warm_pool(settings, env)))
 
 
 if __name__ == "__main__":

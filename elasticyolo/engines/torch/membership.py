@@ -216,8 +216,15 @@ def use_membership(handler: Any, view: RendezvousView, node_id: str) -> None:
     handler's `shutdown` on some exits only: not on SIGTERM)."""
     desc = str(handler._this_node)
     view.register(desc, node_id)
-    handler._membership_leave = lambda: view.leave(desc, node_id)
-    atexit.register(handler._membership_leave)
+    left = threading.Event()
+
+    def leave() -> None:  # once: `shutdown` and then the exit hook on a clean end
+        if not left.is_set():
+            left.set()
+            view.leave(desc, node_id)
+
+    handler._membership_leave = leave
+    atexit.register(leave)
     holder = handler._state_holder
     holder.__class__ = MembershipStateHolder  # same fields: only `sync` and `_sanitize` differ
     holder.view = view
