@@ -1,7 +1,7 @@
 """engine=torch end to end: real `elasticyolo agent` processes (each one node with one slot) run
 torch's LocalElasticAgent on the etcd3 rendezvous; the workers train a real YOLO model on
 generated data. Scenarios: SIGKILL one of two agents mid-epoch, a third node joins, a node frozen
-then thawed, the job runs
+then thawed, a node drained on a spot notice, the job runs
 to the end with a checkpoint store and a resubmission resumes from the store, an etcd member dies.
 """
 
@@ -231,6 +231,48 @@ def test_a_frozen_node_leaves_at_the_heartbeat_timeout_and_rejoins_when_thawed(e
     for epoch in done:
         assert sorted(cov[epoch]) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"
     print(f"\nTIMING torch engine frozen node -> next step {step1['t'] - t_freeze:.2f}s")
+
+
+def test_spot_notice_drains_a_node_and_the_survivor_reforms_without_waiting_for_its_heartbeat(
+        etcd_server, job_name, dataset, jobs, md) -> None:
+    """A spot notice on one of two nodes, at torch's default heartbeat (5 s x 3). The node's agent
+    stops its launcher, whose rendezvous member is then marked left, so the survivor's next round
+    completes without it at once: before bb770b0 a launcher stopped inside an etcd request kept
+    its participant until the heartbeat expired and the survivor stood still for 15 s. The drain
+    loses nothing: every finished epoch trained each sample once."""
+    job = jobs(etcd_server.endpoints, job_name)
+    job.env["ELASTICYOLO_TORCH_RDZV_CONF"] = "last_call_timeout=1"  # the heartbeat at its default
+    job.submit(spec_pairs(dataset, epochs=200))
+    job.start("a")
+    job.wait(lambda: job.client.get(job.keys.leader), 30, "a leads")
+    b = job.start("b", ["--spot-provider", "aws", "--metadata-url", md.url, "--spot-poll-interval", "0.5",
+                        "--drain-margin-s", "2"])
+    job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 3} == {0, 1}, 120,
+             "world 2 training")
+    t_notice = time.time()
+    md.announce("aws", action="terminate", in_s=20)
+    job.wait(lambda: b.proc is not None and b.proc.poll() is not None, 30, "the noticed agent to leave")
+    t_left = time.time()
+    assert b.proc is not None and b.proc.returncode == 0, job.logs()
+    step1 = job.wait(lambda: job.steps_after(t_notice, 1), 60, "a step at world 1")[0]
+    # Its launcher's member key says it left (the survivor's round did not wait for its heartbeat).
+    members = [json.loads(v) for k, v, _ in job.client.get_prefix(job.keys.rdzv) if "/members/" in k]
+    mine = [m for m in members if m.get("node") == "b"]
+    assert mine and all(m.get("left") for m in mine), members
+    assert step1["t"] - t_left < 15 / 2, f"world 1 trained {step1['t'] - t_left:.1f}s after the node left"
+    kinds = [json.loads(v).get("kind") for _, v, _ in job.client.get_prefix(job.keys.events)]
+    assert "notice" in kinds and "drain_end" in kinds, kinds
+    job.wait(lambda: len(job.steps_after(step1["t"], 1)) >= 2 * (N_TRAIN // 4), 120, "two more epochs at world 1")
+    workers = {e["pid"] for e in job.events("resume")}
+    job.cancel()
+    job.wait(lambda: all(gone(p) for p in workers), 60, "workers stopped after cancel")
+    cov = coverage_by_epoch(read_trace(job.trace_dir))
+    done = [e for e in sorted(cov) if e < max(cov)]
+    assert len(done) >= 2, "no epoch finished"
+    for epoch in done:
+        assert sorted(cov[epoch]) == list(range(N_TRAIN)), f"epoch {epoch}: duplicates or gaps"
+    print(f"\nTIMING torch engine notice -> node left {t_left - t_notice:.2f}s -> world 1 step "
+          f"{step1['t'] - t_left:.2f}s")
 
 
 def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, job_name, dataset, jobs,
