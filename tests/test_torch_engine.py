@@ -181,6 +181,9 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     # a fresh process started because the zygote failed.
     warming = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == WARMING_EVENT]
     assert len(warming) >= 4 and all(r.get("forked") for r in warming), warming
+    # ... and each node's zygote was forked from its launcher: a node imports torch once.
+    zygotes = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == "zygote started"]
+    assert zygotes and all(r.get("forked_from") for r in zygotes), zygotes
     events = read_trace(job.trace_dir)
     done_epochs = max(e["epoch"] for e in job.events("step"))
     assert done_epochs >= 1, "no epoch completed"

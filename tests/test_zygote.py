@@ -1,6 +1,7 @@
 """The warm pool's zygote (engines/zygote.py): children forked from a real zygote process behave as
 the fresh processes they replace (stdin, stdout, exit codes, signals, session, environment,
-working directory, lifeline), and the zygote outlives a close only as long as its children."""
+working directory, lifeline), and the zygote outlives a close only as long as its children; the
+same for a zygote forked from its owner (the torch launcher's)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,21 @@ sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 """ % ENV_PARENT_PID
 
 
-@pytest.fixture
-def zygote(tmp_path: Path):  # type: ignore[no-untyped-def]
+@pytest.fixture(params=["spawned", "forked"])
+def zygote(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Both kinds: spawned by the pool (a fresh interpreter) and forked from its owner
+    (`Zygote.fork_here`, as the torch launcher does), which finds modules on the owner's path."""
     (tmp_path / "zprobe.py").write_text(textwrap.dedent(PROBE))
-    z = Zygote(["json"], {**os.environ, "PYTHONPATH": str(tmp_path)}, WorkerEnv(), cwd=tmp_path)
+    if request.param == "spawned":
+        z = Zygote(["json"], {**os.environ, "PYTHONPATH": str(tmp_path)}, WorkerEnv(), cwd=tmp_path)
+    else:
+        monkeypatch.syspath_prepend(str(tmp_path))
+        z = Zygote.fork_here(["json"])
+        assert z.proc.pid != os.getpid()
+        wait_for(lambda: os.getsid(z.proc.pid) == z.proc.pid, 10, "the forked zygote in a session of its own")
     yield z
     z.kill()
+    wait_for(lambda: z.proc.poll() is not None, 30, "the killed zygote reaped")
 
 
 def _fork(z: Zygote, tmp_path: Path, **env: str):  # type: ignore[no-untyped-def]

@@ -47,6 +47,14 @@ def prewarm_enabled() -> bool:
     return os.environ.get(ENV_PREWARM, "1") != "0"
 
 
+def preload_modules(spec_json: str) -> tuple[str, ...]:
+    """What a zygote imports for this spec's workers: every worker's, then its engine's."""
+    from elasticyolo.engines import registry
+
+    engine = registry.get(json.loads(spec_json).get("engine", ""))
+    return (*PRELOAD, *getattr(engine, "worker_modules", ()))
+
+
 # ---- agent side ---------------------------------------------------------------------------
 @dataclass
 class WarmProcess:
@@ -64,7 +72,8 @@ class PrewarmPool:
     `extra_env`: added to the warm processes' environment (the engine's network interface)."""
 
     def __init__(self, spec_json: str, slots: int, work_dir: Path, extra_env: dict[str, str] | None = None,
-                 **log_fields: Any) -> None:
+                 zygote: Zygote | None = None, **log_fields: Any) -> None:
+        """`zygote`: one made by the owner (`Zygote.fork_here`); else the pool spawns its own."""
         self.spec_json, self.slots, self.work_dir = spec_json, slots, work_dir
         self.extra_env = dict(extra_env or {})
         self.log_fields = log_fields
@@ -73,8 +82,8 @@ class PrewarmPool:
         self.failures = 0  # warm processes that died before READY, in a row
         self._retry_at = 0.0
         self._lock = threading.Lock()
-        self._zygote: Zygote | None = None
-        self._zygote_failed = not zygote_enabled()
+        self._zygote: Zygote | None = zygote
+        self._zygote_failed = zygote is None and not zygote_enabled()
         self._closed = False
 
     @property
@@ -128,13 +137,9 @@ class PrewarmPool:
             self._zygote_failed = True
             return None
         if self._zygote is None:
-            from elasticyolo.engines import registry
-
             try:
-                engine = registry.get(json.loads(self.spec_json).get("engine", ""))
-                modules = (*PRELOAD, *getattr(engine, "worker_modules", ()))
-                self._zygote = Zygote(modules, {**os.environ, **self.extra_env}, WorkerEnv(spec_json=self.spec_json),
-                                      cwd=self.work_dir, **self.log_fields)
+                self._zygote = Zygote(preload_modules(self.spec_json), {**os.environ, **self.extra_env},
+                                      WorkerEnv(spec_json=self.spec_json), cwd=self.work_dir, **self.log_fields)
             except (OSError, ValueError, UserError) as exc:
                 self.log.warning("no zygote; warm workers start as fresh processes", error=str(exc))
                 self._zygote_failed = True

@@ -15,6 +15,12 @@ workers are forked the same way). The child starts a new session, takes its stdi
 the pool (descriptors passed over a Unix socket), the pool's environment (its lifeline parent is
 the zygote) and runs `python -m MODULE ARGS` as a fresh interpreter would (runpy).
 
+The torch launcher imports torch itself (torch elastic): its zygote is forked from it once it
+has imported the worker's modules too (`Zygote.fork_here`), so a node imports torch once. On a
+joining replay node, the launcher's and a spawned zygote's imports side by side took 10.4 s of
+the 17.5 s from the node's start to its first step (stop 28). The agent never imports torch: its
+pool (Horovod) spawns the zygote.
+
 Lifetime: the zygote dies with the pool's owner (the agent or the torch launcher:
 `engines/lifeline.py`) and its children die with it. When the pool closes, the zygote forks no
 more and exits once its last child has (a worker it handed over keeps training).
@@ -38,6 +44,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import IO, Any, Mapping, Sequence
 
@@ -97,20 +104,87 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+class _ForkedZygoteProcess:
+    """The part of `subprocess.Popen` a `Zygote` uses, for a zygote forked from this process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode, self.stdout = pid, None, None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere: its code is unknown
+                    self.returncode = -signal.SIGKILL
+                else:
+                    if pid:
+                        self.returncode = _exit_code(status)
+            return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
 class Zygote:
     """Start from a thread that outlives it (as every spawn: see engines/lifeline.py); `fork()`
     may be called from any thread and blocks until the zygote has imported and forked."""
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str], worker_env: WorkerEnv,
                  cwd: str | os.PathLike[str] | None = None, **log_fields: Any) -> None:
-        self.log = get_logger("elasticyolo.zygote", **log_fields)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = spawn([sys.executable, "-m", "elasticyolo.engines.zygote", str(theirs.fileno()), *modules],
-                              env, worker_env, cwd=cwd, pass_fds=(theirs.fileno(),))
+            proc = spawn([sys.executable, "-m", "elasticyolo.engines.zygote", str(theirs.fileno()), *modules],
+                         env, worker_env, cwd=cwd, pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
-        self.sock = ours
+        self._attach(proc, ours, len(modules), log_fields)
+
+    @classmethod
+    def fork_here(cls, modules: Sequence[str], **log_fields: Any) -> "Zygote":
+        """A zygote forked from this process once it has imported `modules` itself, for an owner
+        that imports torch anyway (the torch launcher): the node then imports torch once, not in
+        two processes side by side. Call on the main thread before this process starts a thread
+        (the zygote forks its children, so it must hold none); it dies with this process."""
+        import setproctitle
+
+        for module in modules:
+            importlib.import_module(module)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        owner = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                from elasticyolo.engines.lifeline import die_with_parent
+
+                ours.close()
+                die_with_parent(owner)
+                os.setsid()  # a group of its own, as a spawned zygote: `kill` takes it down whole
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_DFL)
+                setproctitle.setproctitle(f"{sys.executable} -m elasticyolo.engines.zygote (forked from {owner})")
+                serve(theirs)
+                code = 0
+            except BaseException:  # noqa: BLE001 - never return into the owner's code
+                traceback.print_exc()
+            finally:
+                os._exit(code)  # not the owner's exit hooks
+        theirs.close()
+        zygote = cls.__new__(cls)
+        zygote._attach(_ForkedZygoteProcess(pid), ours, len(modules), {**log_fields, "forked_from": owner})
+        return zygote
+
+    def _attach(self, proc: Any, sock: socket.socket, modules: int, log_fields: dict[str, Any]) -> None:
+        self.log = get_logger("elasticyolo.zygote", **log_fields)
+        self.proc = proc
+        self.sock = sock
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -118,9 +192,10 @@ class Zygote:
         self._children: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}  # exits read before fork() registered the child
         self._gone = False
-        self.log.info("zygote started", pid=self.proc.pid, modules=len(modules))
-        threading.Thread(target=pump_output, args=(self.log.bind(pid=self.proc.pid), self.proc.stdout),
-                         name="zygote-log", daemon=True).start()
+        self.log.info("zygote started", pid=self.proc.pid, modules=modules)
+        if self.proc.stdout is not None:  # a forked one writes where its owner does
+            threading.Thread(target=pump_output, args=(self.log.bind(pid=self.proc.pid), self.proc.stdout),
+                             name="zygote-log", daemon=True).start()
         threading.Thread(target=self._read, name="zygote-read", daemon=True).start()
 
     @property
@@ -255,6 +330,11 @@ def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        # Standard streams of its own on those descriptors, as a fresh interpreter has (an owner
+        # that forked the zygote may have replaced its own: pytest's capture, for one).
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
         if request.get("cwd"):
             os.chdir(request["cwd"])
         env = {**request["env"], ENV_PARENT_PID: str(os.getppid())}  # the zygote is the lifeline parent
