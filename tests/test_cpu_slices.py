@@ -2,7 +2,7 @@
 lands in the node's host cgroup and its children follow; one that enters the node's accelerator
 (train/sim_accelerator.py) is held to its quota on its own core; nodes are spread over the cores;
 a training worker trains on its accelerator while the agent, the zygote and the checkpoint
-uploader stay on the host; the hosts weigh one process per node; closing removes every cgroup (killing what is left)."""
+uploader stay on the host; closing removes every cgroup (killing what is left)."""
 
 from __future__ import annotations
 
@@ -52,15 +52,6 @@ def test_a_process_on_a_node_accelerator_is_held_to_its_quota_and_pinned() -> No
             assert slices.core_of("a") != slices.core_of("b")  # spread over the cores
         assert all(t > 0 for t in slices.throttled_s().values())
     assert not slices.parent.exists()
-
-
-@needs_cgroups
-def test_the_hosts_together_weigh_one_ordinary_process_per_node() -> None:
-    """Each host stands for a machine's CPUs of its own: against etcd, the S3 API server and the
-    replay beside them, K hosts weigh K processes (not one, as a plain cgroup would)."""
-    with CpuSlices(0.25, nodes=3) as slices:
-        weight = "cpu.shares" if slices.version == 1 else "cpu.weight"
-        assert int((slices.host_parent / weight).read_text()) == 3 * CpuSlices.HOST_WEIGHT[slices.version]
 
 
 @needs_cgroups

@@ -169,7 +169,7 @@ def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.Abstr
     cpus = o.cpus_per_node or default_cpus_per_node(o.nodes)
     say(f"each node trains on an accelerator of {cpus:.3g} CPUs (a CFS quota of its own); "
         "its agent, standby and uploader run on its host beside it")
-    return CpuSlices(cpus, nodes=o.nodes)
+    return CpuSlices(cpus)
 
 
 def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[str] | None = None) -> dict[str, Any]:

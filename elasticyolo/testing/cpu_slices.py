@@ -14,6 +14,11 @@ it to its uploader and agent and set the whole world's pace (stop 26: 1..4 nodes
 16, 28, 47 and 44 samples/s); with 0.375-CPU accelerators, 21, 36, 53 and 68. Quotas alone
 (10 ms period, free to run on either core) gave 18, 17, 23 and 37: the 20 ms period and the
 pinning matter, as a node out of quota holds every rank's collective until its next period begins.
+
+The hosts keep one process's weight between them. Weighing each host as one process (stop 28)
+made a joiner's imports ~20 % faster, but when the baseline restarted four nodes at once their
+hosts starved etcd and the metadata servers: 2 s leases expired, the leader fell, and that
+restart took 207 s to its first step.
 """
 
 from __future__ import annotations
@@ -73,8 +78,8 @@ def default_cpus_per_node(nodes: int, reserve: float = 0.5) -> float:
 class CpuSlices:
     """Per simulated node, two cgroups: its accelerator, a quota of `cpus` CPUs pinned to one core
     at a weight far above everything else's (so the quota is what it gets, whatever else runs),
-    and its host, no quota, any core, each host the default weight of one process (beside etcd,
-    the S3 server and the replay itself).
+    and its host, no quota, any core, the default weight (beside etcd, the S3 server and the
+    replay itself).
 
     `prefix(node)` is a command prefix that moves the started process (an agent) into the node's
     host cgroup before it execs (its children, the node's workers, inherit it) and tells it where
@@ -82,14 +87,8 @@ class CpuSlices:
     training. `parent` holds the accelerators, `host_parent` the hosts."""
 
     ACCEL_WEIGHT = {1: 262144, 2: 10000}  # cpu.shares (v1, max) / cpu.weight (v2, max)
-    HOST_WEIGHT = {1: 1024, 2: 100}  # per node: a process's default weight (v1 shares, v2 weight)
 
-    def __init__(self, cpus: float, name: str | None = None, nodes: int = 1) -> None:
-        """`nodes`: how many nodes the hosts stand for; together they weigh that many ordinary
-        processes against the servers beside them (etcd, the S3 API server, the replay itself),
-        as each node's host is a machine's CPUs of its own. At the default weight all hosts
-        together weighed what one server thread does: a joining node's imports ran at ~0.45
-        CPU (9.2-9.5 s for the zygote's, stop 28) while the S3 server took uploads."""
+    def __init__(self, cpus: float, name: str | None = None) -> None:
         found = cgroup_root()
         if found is None:
             raise CpuSliceError("no writable cgroup CPU controller (cgroup v1 cpu or v2 cpu.max) on this host")
@@ -100,9 +99,8 @@ class CpuSlices:
         self.host_parent = self.root / f"{name}-host"
         self.parent.mkdir()
         self.host_parent.mkdir()
-        weight_file = "cpu.shares" if self.version == 1 else "cpu.weight"
-        (self.parent / weight_file).write_text(str(self.ACCEL_WEIGHT[self.version]))
-        (self.host_parent / weight_file).write_text(str(self.HOST_WEIGHT[self.version] * max(1, nodes)))
+        weight = self.ACCEL_WEIGHT[self.version]
+        (self.parent / ("cpu.shares" if self.version == 1 else "cpu.weight")).write_text(str(weight))
         # cgroup v1 keeps cpuset in a hierarchy of its own; v2 has it beside cpu.
         self.pin_root: Path | None = None
         if self.version == 2:
