@@ -150,10 +150,7 @@ class Zygote:
         that imports torch anyway (the torch launcher): the node then imports torch once, not in
         two processes side by side. Call on the main thread before this process starts a thread
         (the zygote forks its children, so it must hold none); it dies with this process."""
-        import setproctitle
-
-        for module in modules:
-            importlib.import_module(module)
+        _preload(modules)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         owner = os.getpid()
         sys.stdout.flush()
@@ -169,7 +166,9 @@ class Zygote:
                 os.setsid()  # a group of its own, as a spawned zygote: `kill` takes it down whole
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
-                setproctitle.setproctitle(f"{sys.executable} -m elasticyolo.engines.zygote (forked from {owner})")
+                from setproctitle import setproctitle
+
+                setproctitle(f"{sys.executable} -m elasticyolo.engines.zygote (forked from {owner})")
                 serve(theirs)
                 code = 0
             except BaseException:  # noqa: BLE001 - never return into the owner's code
@@ -425,16 +424,22 @@ def serve(sock: socket.socket) -> None:
                 os.close(fd)
 
 
+def _preload(modules: Sequence[str]) -> None:
+    """What a zygote holds before it forks: setproctitle (first: it finds argv's memory only while
+    the environment is the original; the children retitle themselves with it) and `modules`."""
+    import setproctitle  # noqa: F401
+
+    for module in modules:
+        importlib.import_module(module)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     from elasticyolo.engines.lifeline import die_with_agent
 
     die_with_agent()  # the pool's owner; the children's lifeline is this process
     sock = socket.socket(fileno=int(args[0]))
-    import setproctitle  # noqa: F401  (finds argv's memory now, while the environment is the original)
-
-    for module in args[1:]:
-        importlib.import_module(module)
+    _preload(args[1:])
     serve(sock)
 
 
