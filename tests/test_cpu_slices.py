@@ -103,3 +103,29 @@ def test_a_node_trains_on_its_accelerator_and_runs_everything_else_on_its_host(
         host = " ".join(" ".join(p.cmdline()) for p in procs(slices.host_parent / "n1"))
         assert "agent" in host and "forkserver" in host  # the uploader's fork server
         cluster.stop()
+
+
+@needs_cgroups
+def test_the_servers_run_weighed_above_the_hosts_and_this_process_leaves_their_group_on_close() -> None:
+    """`chaos replay` starts etcd, the S3 server and the metadata servers after `serve_here`: they
+    inherit its cgroup, weighed above the hosts, which weigh one process per node."""
+    slices = CpuSlices(0.5, nodes=4)
+    shares = "cpu.shares" if slices.version == 1 else "cpu.weight"
+
+    def weight(group: Path) -> int:
+        return int((group / shares).read_text())
+
+    try:
+        assert weight(slices.host_parent) == 4 * CpuSlices.PROCESS_WEIGHT[slices.version]
+        assert weight(slices.servers) > weight(slices.host_parent)
+        slices.serve_here()
+        server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert f"/{slices.servers.name}\n" in open(f"/proc/{server.pid}/cgroup").read()
+        finally:
+            server.kill()
+            server.wait()
+    finally:
+        slices.close()
+    assert f"/{slices.servers.name}\n" not in open("/proc/self/cgroup").read()
+    assert not slices.servers.exists()

@@ -169,7 +169,7 @@ def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.Abstr
     cpus = o.cpus_per_node or default_cpus_per_node(o.nodes)
     say(f"each node trains on an accelerator of {cpus:.3g} CPUs (a CFS quota of its own); "
         "its agent, standby and uploader run on its host beside it")
-    return CpuSlices(cpus)
+    return CpuSlices(cpus, nodes=o.nodes)
 
 
 def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[str] | None = None) -> dict[str, Any]:
@@ -234,11 +234,15 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     t_begin = time.monotonic()
     failed = False
     try:
-        with EtcdCluster(size=1) as etcd, S3Server() as s3, contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:
+            slices = stack.enter_context(cpu_slices(o, say))
+            if slices:
+                slices.serve_here()  # etcd, the S3 server and the metadata servers: the cloud's
+            etcd = stack.enter_context(EtcdCluster(size=1))
+            s3 = stack.enter_context(S3Server())
             bucket = "elasticyolo-replay"
             boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id="testing",
                          aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
-            slices = stack.enter_context(cpu_slices(o, say))
             out["cpus_per_node"] = round(slices.cpus, 3) if slices else None
             env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, prep.notice_s, say, slices=slices)
             say("elasticyolo: calibrating steady-state samples/s per node count, then replaying")

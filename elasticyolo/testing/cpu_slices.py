@@ -15,10 +15,13 @@ it to its uploader and agent and set the whole world's pace (stop 26: 1..4 nodes
 (10 ms period, free to run on either core) gave 18, 17, 23 and 37: the 20 ms period and the
 pinning matter, as a node out of quota holds every rank's collective until its next period begins.
 
-The hosts keep one process's weight between them. Weighing each host as one process (stop 28)
-made a joiner's imports ~20 % faster, but when the baseline restarted four nodes at once their
-hosts starved etcd and the metadata servers: 2 s leases expired, the leader fell, and that
-restart took 207 s to its first step.
+Each host weighs one ordinary process, as it stands for a machine's CPUs of its own; at one
+process's weight for all hosts together a joining node's imports ran at ~0.45 CPU while the other
+nodes' agents and uploaders ran (9.2-9.5 s for the zygote's, stop 28). Weighed so, the hosts
+outweighed etcd and the S3 server when the baseline restarted four nodes at once: 2 s leases
+expired, the leader fell, and that restart took 207 s to its first step. So the servers the
+cluster shares (etcd, the S3 server, the metadata servers: the cloud, not a node) get a cgroup of
+their own (`serve_here`) weighed above every host: they are light but latency-bound.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def default_cpus_per_node(nodes: int, reserve: float = 0.5) -> float:
 class CpuSlices:
     """Per simulated node, two cgroups: its accelerator, a quota of `cpus` CPUs pinned to one core
     at a weight far above everything else's (so the quota is what it gets, whatever else runs),
-    and its host, no quota, any core, the default weight (beside etcd, the S3 server and the
-    replay itself).
+    and its host, no quota, any core, one ordinary process's weight per node (beside the servers'
+    cgroup, weighed above them, for etcd, the S3 server, the metadata servers and the replay).
 
     `prefix(node)` is a command prefix that moves the started process (an agent) into the node's
     host cgroup before it execs (its children, the node's workers, inherit it) and tells it where
@@ -87,8 +90,11 @@ class CpuSlices:
     training. `parent` holds the accelerators, `host_parent` the hosts."""
 
     ACCEL_WEIGHT = {1: 262144, 2: 10000}  # cpu.shares (v1, max) / cpu.weight (v2, max)
+    PROCESS_WEIGHT = {1: 1024, 2: 100}  # an ordinary process's (v1 shares, v2 weight)
+    SERVERS_PROCESSES = 16  # the servers' weight, in ordinary processes: above any host's
 
-    def __init__(self, cpus: float, name: str | None = None) -> None:
+    def __init__(self, cpus: float, name: str | None = None, nodes: int = 1) -> None:
+        """`nodes`: how many nodes the hosts stand for; each weighs one ordinary process."""
         found = cgroup_root()
         if found is None:
             raise CpuSliceError("no writable cgroup CPU controller (cgroup v1 cpu or v2 cpu.max) on this host")
@@ -97,10 +103,16 @@ class CpuSlices:
         name = name or f"elasticyolo-{uuid.uuid4().hex[:8]}"
         self.parent = self.root / name
         self.host_parent = self.root / f"{name}-host"
+        self.servers = self.root / f"{name}-servers"
         self.parent.mkdir()
         self.host_parent.mkdir()
-        weight = self.ACCEL_WEIGHT[self.version]
-        (self.parent / ("cpu.shares" if self.version == 1 else "cpu.weight")).write_text(str(weight))
+        self.servers.mkdir()
+        self.served: list[Path] = []  # where serve_here found this process
+        process = self.PROCESS_WEIGHT[self.version]
+        for group, weight in ((self.parent, self.ACCEL_WEIGHT[self.version]),
+                              (self.host_parent, process * max(1, nodes)),
+                              (self.servers, process * self.SERVERS_PROCESSES)):
+            (group / ("cpu.shares" if self.version == 1 else "cpu.weight")).write_text(str(weight))
         # cgroup v1 keeps cpuset in a hierarchy of its own; v2 has it beside cpu.
         self.pin_root: Path | None = None
         if self.version == 2:
@@ -173,6 +185,20 @@ class CpuSlices:
         host = self._host(node) / "cgroup.procs"
         return ["sh", "-c", f'echo $$ > {host} && export {ENV_SIM_ACCELERATOR}={accel} && exec "$@"', "sh"]
 
+    def _own_group(self) -> Path:
+        """This process's cgroup in the CPU hierarchy."""
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if (self.version == 1 and "cpu" in controllers.split(",")) or (self.version == 2 and not controllers):
+                return self.root / path.lstrip("/")
+        return self.root
+
+    def serve_here(self) -> None:
+        """Move this process (the one that starts the cluster's servers: they inherit it) into
+        the servers' cgroup; `close` moves it back."""
+        self.served.append(self._own_group())
+        (self.servers / "cgroup.procs").write_text(str(os.getpid()))
+
     def release(self, node: str) -> None:
         """The node is gone (killed, drained): its core takes the next node. Its cgroups stay
         until `close` (a dying process may still be in them)."""
@@ -204,7 +230,11 @@ class CpuSlices:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        tops = [self.parent, self.host_parent] + ([self.pin_root] if self.pin_root not in (None, self.parent) else [])
+        if self.served:  # back where it was; the servers themselves were stopped by their owners
+            (self.served[0] / "cgroup.procs").write_text(str(os.getpid()))
+        self.served.clear()
+        tops = [self.parent, self.host_parent, self.servers] + (
+            [self.pin_root] if self.pin_root not in (None, self.parent) else [])
         for path in [*groups, *tops]:
             for _ in range(50):
                 try:
