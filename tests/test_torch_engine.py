@@ -165,6 +165,10 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     assert by_node["c"]["source"] == "peer" and by_node["a"]["source"] == "local", resumed
     assert by_node["a"]["step"] == by_node["c"]["step"] >= resume_a["step"]
     assert by_node["a"]["params_digest"] == by_node["c"]["params_digest"]
+    # A's world-1 round ended at a commit (engines/torch/stop_at_commit.py): the world of two
+    # resumed from A's last step, and no step A trained was thrown away.
+    before = [e["step"] for e in job.events("step", pid=resume_a["pid"]) if e["t"] < by_node["a"]["t"]]
+    assert by_node["a"]["step"] == max(before), (by_node["a"], max(before))
     job.wait(lambda: max(e["step"] for e in job.steps_after(t_join, 2)) >= by_node["c"]["step"] + 3, 60,
              "training continues at world 2")
 
@@ -263,6 +267,11 @@ def test_spot_notice_drains_a_node_and_the_survivor_reforms_without_waiting_for_
     mine = [m for m in members if m.get("node") == "b"]
     assert mine and all(m.get("left") for m in mine), members
     assert step1["t"] - t_left < 15 / 2, f"world 1 trained {step1['t'] - t_left:.1f}s after the node left"
+    # The world of two stopped at a commit (engines/torch/stop_at_commit.py): the survivor resumed
+    # from the last step it trained; the drain threw no step away.
+    resume_a = [e for e in job.events("resume", node="a") if e["t"] > t_notice][0]
+    before = [e["step"] for e in job.events("step") if e["t"] < resume_a["t"]]
+    assert resume_a["step"] == max(before), (resume_a, max(before))
     kinds = [json.loads(v).get("kind") for _, v, _ in job.client.get_prefix(job.keys.events)]
     assert "notice" in kinds and "drain_end" in kinds, kinds
     job.wait(lambda: len(job.steps_after(step1["t"], 1)) >= 2 * (N_TRAIN // 4), 120, "two more epochs at world 1")

@@ -90,3 +90,19 @@ def test_install_patches_torchs_agent_once() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # not in this process
     assert (LocalElasticAgent._stop_workers, LocalElasticAgent._start_workers,
             LocalElasticAgent._shutdown) == before
+
+
+def test_a_launcher_stopping_for_good_marks_its_member_left_before_its_workers_stop() -> None:
+    """A spot notice's SIGTERM: the other nodes re-form without waiting for this node's workers to
+    reach their commit (`stop_at_commit.py`), or for its lease when it is killed first."""
+    from types import SimpleNamespace
+
+    order: list[str] = []
+    handler = SimpleNamespace(_membership_leave=lambda: order.append("left"))
+    ctx = SimpleNamespace(close=lambda *a, **k: order.append("workers stopped"))
+    agent = SimpleNamespace(_pcontext=ctx, _worker_group=SimpleNamespace(spec=SimpleNamespace(rdzv_handler=handler)))
+    stop_overlap.leave_first(agent)
+    ctx.close()
+    assert order == ["left", "workers stopped"]
+    # A round's restart (`_stop_workers`) is not a leave: it clears the context before the shutdown.
+    stop_overlap.leave_first(SimpleNamespace())  # no worker group: nothing to mark, no error

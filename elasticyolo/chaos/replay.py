@@ -184,7 +184,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     # Heavy imports only now (the CLI stays quick for bad input).
     import boto3
 
-    from elasticyolo.chaos.runner import ReplayEnv, run_checkpoint_restart, run_elastic
+    from elasticyolo.chaos.runner import SHARED_STEPS, ReplayEnv, run_checkpoint_restart, run_elastic
     from elasticyolo.data.synth import SynthSpec, write_dataset
     from elasticyolo.testing.servers import EtcdCluster, S3Server
 
@@ -249,7 +249,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
             try:
                 final = tl.changes[-1].after if tl.changes else tl.initial
                 er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s),
-                                 final)
+                                 final, shared_steps=SHARED_STEPS if o.accuracy else 0)
                 runs = [er]
                 if prep.restart is not None:
                     say("checkpoint-restart: replaying the same window, stop-the-world at every change")

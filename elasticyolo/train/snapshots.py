@@ -9,7 +9,8 @@ Writer (`LocalSnapshots`, on local rank 0 of each node): at a commit the trainin
 copies the tensors to CPU; pickling and the disk write run on a background thread. A newer state
 replaces one still waiting, so at most one write is queued; `save_now` (a drain's quiesce) waits
 until its state is on disk; pending writes are finished at interpreter exit, and (torch
-engine) on SIGTERM before the process goes (`finish_snapshot_on_sigterm`). An engine may
+engine) on SIGTERM before the process goes (`finish_snapshot_on_sigterm`; the torch worker first
+tries to stop at its next commit, `engines/torch/stop_at_commit.py`). An engine may
 snapshot less often than it commits (`period_s`).
 
 Restore (`restore_newest`): a collective over a freshly started world with the engine's
@@ -29,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -86,6 +87,7 @@ class LocalSnapshots:
         self.writer = writer and self.path is not None
         self.period_s = period_s
         self.written_step = -1
+        self.submitted_step = -1  # the step of the newest state handed to the writer
         self._last_submit = float("-inf")
         self._cond = threading.Condition()
         self._pending: dict[str, Any] | None = None
@@ -126,6 +128,7 @@ class LocalSnapshots:
                 self._thread.start()
                 atexit.register(self.close)  # a worker leaving (peer died, job done) still finishes the write
             self._last_submit = time.monotonic()
+            self.submitted_step = int(state.get("progress", {}).get("step", -1))
             self._pending = state
             self._preparing = False
             self._cond.notify_all()
@@ -169,13 +172,16 @@ class LocalSnapshots:
                     self._cond.notify_all()
 
 
-def finish_snapshot_on_sigterm(snapshots: "LocalSnapshots", timeout_s: float = 5.0) -> bool:
+def finish_snapshot_on_sigterm(snapshots: "LocalSnapshots", timeout_s: float = 5.0,
+                               stop_at_commit: Callable[[], bool] | None = None) -> bool:
     """On SIGTERM (torch elastic stopping this worker for its next round): wait up to `timeout_s`
     for the snapshot being written, or being copied by a commit in progress, then exit at once.
     The restarted world then resumes from the newest commit, not the one before it (seen: a round
     restarted 0.2 s after a commit, while that commit's snapshot was still being written; and a
     SIGTERM 50 ms after a commit, while its state was being copied). A thread watches the signal wakeup fd, so a main
-    thread blocked in a collective delays nothing. Main thread only (False elsewhere)."""
+    thread blocked in a collective delays nothing. Main thread only (False elsewhere).
+    `stop_at_commit`: asked first; True means the main thread stops at a commit and exits by
+    itself (`engines/torch/stop_at_commit.py`), False that it did not in time."""
     if threading.current_thread() is not threading.main_thread():
         return False
     r, w = os.pipe()
@@ -187,6 +193,8 @@ def finish_snapshot_on_sigterm(snapshots: "LocalSnapshots", timeout_s: float = 5
         while True:
             data = os.read(r, 64)
             if signal.SIGTERM in data:
+                if stop_at_commit is not None and stop_at_commit():
+                    return
                 snapshots.flush(timeout_s)
                 os._exit(128 + signal.SIGTERM)
 

@@ -1,14 +1,16 @@
 """A round's old workers stop while the next round forms, not before it.
 
 torch's agent restarts a round in sequence: stop the workers (SIGTERM, wait for them to exit),
-rendezvous, start the next round's workers. On 2 cores the stop costs 0.2-0.6 s (the worker
-finishes the snapshot it is writing, `train/snapshots.py`, and its loader processes exit) and the
-rendezvous 0.3-0.8 s; nothing in the rendezvous needs the old workers gone. Only the next round's
+rendezvous, start the next round's workers. The stop takes up to a commit interval (the workers
+train on to their next commit, `stop_at_commit.py`, and its loader processes exit) and the
+rendezvous 0.3-0.8 s on 2 cores; nothing in the rendezvous needs the old workers gone. Only the next round's
 workers must not start before the old ones are: they read the snapshot the old ones finish.
 
 `install()` (in the launcher process only) replaces `LocalElasticAgent._stop_workers` by one that
 signals the workers as torch does and leaves the wait (and torch's SIGKILL after its timeout) to a
 thread, and makes `_start_workers` join that thread first. Everything else is torch's `close`.
+A final `_shutdown` (SIGTERM, the job's end) marks the launcher's rendezvous member left before it
+stops the workers (`leave_first`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ def wait_stopped(agent: Any) -> None:
         setattr(agent, _PENDING, None)
 
 
+def leave_first(agent: Any) -> None:
+    """A launcher that stops for good (a spot notice's SIGTERM) marks its rendezvous member left
+    before its workers stop, not after: they train on to their next commit (`stop_at_commit.py`),
+    and the other nodes' next round need not wait for that, nor, when the node is killed at its
+    notice's deadline first, for its lease to expire (seen in a replay: 2.1 s with no round)."""
+    handler = getattr(getattr(getattr(agent, "_worker_group", None), "spec", None), "rdzv_handler", None)
+    leave = getattr(handler, "_membership_leave", None)  # membership.py
+    if leave is not None:
+        leave()
+
+
 def install() -> None:
     if getattr(LocalElasticAgent, _INSTALLED, False):
         return
@@ -75,6 +88,8 @@ def install() -> None:
         return start(agent, *args, **kwargs)
 
     def shutdown_all(agent: Any, *args: Any, **kwargs: Any) -> None:
+        if agent._pcontext is not None:  # this launcher stops for good (`_stop_workers` clears it)
+            leave_first(agent)
         shutdown(agent, *args, **kwargs)
         wait_stopped(agent)  # leaving (job done, SIGTERM): no worker outlives the launcher's wait
 

@@ -9,7 +9,8 @@ restarts the whole world on every membership change, so each start is a resume:
    (`train/snapshots.py` `restore_newest`, over `TorchCollectives`);
 3. `core.set_world(world, rank)` applies the rescaling policy (LR ramp from the saved progress);
 4. train; a commit (`engines/commit.py`) = local snapshot (local rank 0 of every node, every
-   commit) + store checkpoint when due (rank 0). Nothing else: a failure restarts the world.
+   commit) + store checkpoint when due (rank 0) + the ranks agree whether one was asked to stop
+   (SIGTERM: the round ends at that commit, `stop_at_commit.py`). A failure restarts the world.
 
 Gradients: the core calls `grad_allreduce(grads)` once per optimizer step; we flatten them into
 one buffer and all-reduce it (sum / world = mean), which is DDP's math. Not the `DDP` wrapper
@@ -35,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from elasticyolo.engines import worker_env
 from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.progress import EtcdProgress
+from elasticyolo.engines.torch.stop_at_commit import StopAtCommit, torch_reduce
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
@@ -164,8 +166,10 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
     # Every local rank reads the node's snapshot; only local rank 0 writes it (ranks hold equal state).
     snapshots = LocalSnapshots(snapshot_dir, writer=local_rank == 0,
                                period_s=env.snapshot_period(SNAPSHOT_PERIOD_S)) if snapshot_dir else None
+    stop = None
     if snapshots is not None:
-        finish_snapshot_on_sigterm(snapshots)
+        stop = StopAtCommit(core, torch_reduce(core.device), snapshots)
+        finish_snapshot_on_sigterm(snapshots, stop_at_commit=stop.request)
     checkpointer = Checkpointer(spec, job, rank, sinks=sinks if rank == 0 else None,
                                 store=prepared.store if prepared is not None else None)
     trace = TraceWriter()
@@ -185,7 +189,7 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
             progress.resume(core.progress.step, world, None, "restore" if restored.source != "fresh" else "start",
                             source=restored.source)
         hooks = CommitHooks(core, collectives, target_s=commit_target_s, snapshots=snapshots,
-                            checkpointer=checkpointer)
+                            checkpointer=checkpointer, engine=stop)
         # Ultralytics' run folder on rank 0's node, published next to the checkpoints.
         run_folder = ClusterRunFolder(core, job, checkpointer.store, work_dir.parent)
         loop = TrainingLoop(core, hooks=hooks, sinks=(list(sinks or []) + run_folder.sinks()) if rank == 0 else [],
