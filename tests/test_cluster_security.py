@@ -37,7 +37,7 @@ def test_tls_with_client_certificate(tls_etcd: EtcdCluster, pki: EtcdPki, tmp_pa
     assert e.get("/elasticyolo/tls/k")[0] == b"v"  # type: ignore[index]
     # without the client certificate the server refuses the handshake: one clear line, no retries
     with pytest.raises(UserError, match="TLS handshake refused .*requires a client certificate"):
-        EtcdClient(ep, ca_cert=pki.ca, timeout=0.5).get("/elasticyolo/tls/k")
+        EtcdClient(ep, ca_cert=pki.ca, timeout=5.0).get("/elasticyolo/tls/k")  # 0.5 s timed out on a loaded host
     other = EtcdPki.generate(tmp_path / "other", ["m0"])
     with pytest.raises(UserError, match="does not accept our client certificate"):
         EtcdClient(ep, ca_cert=pki.ca, cert_cert=other.client()[0], cert_key=other.client()[1]).get("/elasticyolo/x")
