@@ -5,6 +5,7 @@ snapshot on disk; a rank that reaches no commit in time stops the old way."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,3 +134,21 @@ def test_a_failed_answer_leaves_the_stop_to_the_sigterm_watcher() -> None:
     with pytest.raises(RuntimeError):
         stop.check()
     assert stop.request() is False
+
+
+def test_a_rank_waiting_at_a_commit_on_a_frozen_peer_stops_the_old_way_after_the_grace() -> None:
+    from elasticyolo.engines.torch.stop_at_commit import AT_COMMIT_GRACE_S
+
+    in_reduce = threading.Event()
+
+    def frozen_reduce(flag: int) -> int:  # a SIGSTOPped peer never answers
+        in_reduce.set()
+        threading.Event().wait(30)
+        return flag
+
+    stop = StopAtCommit(_Core(_Progress(7)), frozen_reduce, _Snapshots(7), wait_s=0.1, exit=_exit)
+    threading.Thread(target=stop.check, daemon=True).start()
+    assert in_reduce.wait(5)
+    t0 = time.monotonic()
+    assert stop.request() is False
+    assert time.monotonic() - t0 < 0.1 + AT_COMMIT_GRACE_S + 1.0

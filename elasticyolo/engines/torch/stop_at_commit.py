@@ -42,6 +42,10 @@ log = get_logger("elasticyolo.torch.stop")
 # snapshot before that SIGKILL; long enough for a commit interval (`engines/commit.py` aims at
 # 2 s of work between commits).
 STOP_WAIT_S = 2.5
+# A rank already waiting at the commit for its peers' answer gets this much longer: rank 0's
+# commit also hands a checkpoint over (seen: 1 s behind its peers). Bounded, since the peer may be
+# frozen: a clean-clone run waited 31 s on a SIGSTOPped node's collective without a bound.
+AT_COMMIT_GRACE_S = 1.0
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: a peer is leaving this round; restart it
 
@@ -60,13 +64,14 @@ class StopAtCommit:
     def request(self) -> bool:
         """SIGTERM: ask for a stop at the next commit; True if the main thread took it up (it then
         exits by itself), False if the caller must stop the old way: no commit within `wait_s`,
-        or the ranks' answer failed. A rank waiting at a commit for slower peers (rank 0's commit
-        also hands a checkpoint over) is not cut short: seen, a rank that left 1 s before rank 0
-        reached the commit failed rank 0's collective."""
+        or the ranks' answer failed or did not come `AT_COMMIT_GRACE_S` after that. A rank
+        waiting at a commit for slower peers is not cut short at `wait_s`: seen, a rank that left
+        1 s before rank 0 reached the commit failed rank 0's collective."""
         self.requested.set()
         deadline = time.monotonic() + self.wait_s
         while not self.stopping.wait(0.05):
-            if time.monotonic() > deadline and not self.at_commit.is_set():
+            now = time.monotonic()
+            if now > deadline and (not self.at_commit.is_set() or now > deadline + AT_COMMIT_GRACE_S):
                 return False
         return True
 
