@@ -303,3 +303,47 @@ def test_store_wait_on_a_dead_peer_is_abandoned_and_the_rendezvous_stays_open(et
             h._stop_heartbeats()
     assert create_handler(params).shutdown() is True  # a clean end closes it
     assert pickle.loads(backend.get_state()[0]).closed is True  # type: ignore[index]
+
+
+def test_a_stop_signal_swallowed_on_the_way_is_raised_again_at_the_next_monitor_tick(
+        etcd_server, job_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """launcher_signal.py: torch stops its launcher by raising SignalException from the signal
+    handler; a broad `except` it happens to interrupt swallows it. Seen in CI: a node drained on a
+    spot notice kept its launcher training 17 s, until the drain deadline. The agent's monitor loop
+    (`num_nodes_waiting`, every tick) raises it again; a rendezvous sync does not swallow it."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from elasticyolo.engines.torch import launcher_signal
+    from elasticyolo.engines.torch.membership import RendezvousView
+
+    monkeypatch.setattr(launcher_signal, "_received", None)
+    from elasticyolo.cluster.keys import JobKeys
+
+    params = _params(etcd_server.endpoints, job_name, node_id="a", job=job_name)
+    backend = EtcdRendezvousBackend(etcd_server.endpoints, job_name)
+    backend.clear()
+    backend.client.put(JobKeys(job_name).nodes + "a", "{}")  # node a's agent has registered it
+    handler = create_handler(params)
+    try:
+        assert not isinstance(_rendezvous_all([handler])[0], Exception)
+        assert handler.num_nodes_waiting() == 0
+        try:
+            launcher_signal.on_signal(signal.SIGTERM, None)
+        except Exception:  # noqa: BLE001 - what a broad `except` on the main thread does with it
+            pass
+        with pytest.raises(SignalException, match="raised again"):
+            handler.num_nodes_waiting()
+        monkeypatch.setattr(launcher_signal, "_received", None)
+
+        def interrupted(self: RendezvousView) -> None:
+            raise SignalException("got signal: 15", sigval=signal.SIGTERM)
+
+        monkeypatch.setattr(RendezvousView, "read", interrupted)
+        handler._state_holder.changed = True  # the next tick reads etcd: SIGTERM arrives in that read
+        with pytest.raises(SignalException):
+            handler.num_nodes_waiting()
+    finally:
+        monkeypatch.undo()
+        handler.shutdown()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -121,14 +120,10 @@ def run(settings: LaunchSettings, pool: PrewarmPool | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    def on_term(signum: int, _frame: object) -> None:
-        # torch installs the same handler once workers run; this covers the first rendezvous.
-        raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+    from elasticyolo.engines.torch import launcher_signal, stop_overlap
 
-    signal.signal(signal.SIGTERM, on_term)
+    launcher_signal.install()  # SIGTERM raises SignalException (torch's way), and is never lost
     _register_etcd3()
-    from elasticyolo.engines.torch import stop_overlap
-
     stop_overlap.install()  # a round's old workers stop while the next round forms
     env = worker_env.read()
     conf = {"join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 5, "keep_alive_max_attempt": 3,

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
 
@@ -157,6 +158,8 @@ class MembershipStateHolder(_BackendRendezvousStateHolder):
         if view is not None:
             try:
                 members, live = view.read()
+            except SignalException:
+                raise  # the launcher's stop (launcher_signal.py), not an etcd hiccup
             except Exception as exc:  # noqa: BLE001 - etcd hiccup: torch's timeouts still apply
                 log.debug("membership unreadable", error=str(exc))
             else:

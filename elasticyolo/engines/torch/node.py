@@ -118,7 +118,14 @@ class TorchNode(EngineNode):
 
     def stop_workers(self, reason: str) -> None:
         self._stop_current(reason)
-        self._reap()
+        self._reap(kill_now=self._drain_deadline_near())
+
+    def _drain_deadline_near(self) -> bool:
+        """A drain's launcher gets its SIGKILL before the node's deadline, not `stop_grace_s` after
+        its SIGTERM (the drain window may be shorter): the node then leaves in time and its record
+        going tells the other nodes' rendezvous at once."""
+        drain = self.drain
+        return drain is not None and time.monotonic() >= self.agent.drain.deadline - drain.kill_lead_s
 
     # ---- reconciliation (agent loop thread) ------------------------------------------------
     def wanted(self, agent: NodeAPI) -> int | None:
@@ -165,13 +172,14 @@ class TorchNode(EngineNode):
         except Exception as exc:  # noqa: BLE001 - another node may write it; never fatal
             log.warning("could not mark the job done", error=str(exc))
 
-    def _reap(self) -> None:
+    def _reap(self, kill_now: bool = False) -> None:
         now = time.monotonic()
         for lp in list(self._stopping):
             if not lp.running:
                 self._stopping.remove(lp)
-            elif lp.stop_requested_at is not None and now - lp.stop_requested_at > self.stop_grace_s:
-                log.warning("launcher ignored SIGTERM; killing its process group", pid=lp.pid)
+            elif kill_now or (lp.stop_requested_at is not None and now - lp.stop_requested_at > self.stop_grace_s):
+                log.warning("launcher still running after SIGTERM; killing its process group", pid=lp.pid,
+                            drain_deadline=kill_now)
                 lp.kill()
 
     def _stop_current(self, reason: str) -> None:

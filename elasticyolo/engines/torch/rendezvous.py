@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elasticyolo.cluster.settings import EtcdSettings
+from elasticyolo.engines.torch import launcher_signal
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
@@ -356,6 +357,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         round_ = int(m["round"])
         try:
             found = self._etcd_backend.get_state()
+        except SignalException:
+            raise
         except Exception as exc:  # noqa: BLE001 - an etcd hiccup is no reason to give up
             log.debug("rendezvous state unreadable while waiting", error=str(exc))
             return None
@@ -386,6 +389,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         2 s heartbeat expiry on a busy 2-core box). The agent restarts its workers and rejoins
         whenever this is > 0, which heals it.
         """
+        launcher_signal.check()  # a stop signal swallowed since the last tick stops the launcher now
         waiting = super().num_nodes_waiting()
         joined = getattr(self, "_joined_round", None)
         state = self._state_holder.state  # just synced by super()
@@ -415,6 +419,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         prefix = f"{store.prefix}torch.rendezvous.{self._settings.run_id}.{round_}/"
         try:
             store.client.delete_prefix(prefix)
+        except SignalException:
+            raise
         except Exception as exc:  # noqa: BLE001 - garbage collection is best effort
             log.warning("could not delete old rendezvous keys", prefix=prefix, error=str(exc))
 

@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 
 log = get_logger("elasticyolo.torch.stop")
 
-# How long a SIGTERMed worker trains on towards a commit. Below the agent's grace for its
-# launcher (spawn.KILL_GRACE_S, 3 s), so a worker that misses the commit still finishes its
-# snapshot before that SIGKILL; long enough for a commit interval (`engines/commit.py` aims at
-# 2 s of work between commits).
+# How long a SIGTERMed worker trains on towards a commit. Short, since a node drained on a spot
+# notice has seconds (its launcher is SIGKILLed `drain.kill_lead_s` before the deadline:
+# `torch/node.py`), and a worker that misses the commit must still finish its snapshot before
+# that; long enough for a commit interval (`engines/commit.py` aims at 2 s of work between commits).
 STOP_WAIT_S = 2.5
 # A rank already waiting at the commit for its peers' answer gets this much longer: rank 0's
 # commit also hands a checkpoint over (seen: 1 s behind its peers). Bounded, since the peer may be
