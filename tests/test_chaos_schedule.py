@@ -242,3 +242,15 @@ def test_calibration_spans_hold_whole_checkpoint_intervals() -> None:
     assert calibration_span_s(8.0, 5.0) == 10.0  # one checkpoint or two per 8 s span moved its rate
     assert calibration_span_s(10.0, 5.0) == 10.0 and calibration_span_s(2.0, 3.0) == 3.0
     assert calibration_span_s(8.0, 0.0) == 8.0  # no checkpoints: as asked
+
+
+def test_a_record_written_after_a_newer_round_began_is_stale() -> None:
+    # World 2 (pids 10, 20) resumed at step 3. Pid 20 froze mid-step 4; pid 10's world-1 round
+    # resumed at step 3 and redid step 4. Pid 20, thawed, recorded its step 4 after that: stale.
+    resume = lambda t, step, world, pid: {"ev": "resume", "t": t, "step": step, "rank": 0, "world": world,  # noqa: E731
+                                          "pid": pid}
+    s = lambda t, step, world, pid: {**_step(t, step, 0, world, [step]), "pid": pid}  # noqa: E731
+    ev = [resume(1.0, 3, 2, 10), resume(1.1, 3, 2, 20), s(2.0, 4, 2, 10),
+          resume(8.0, 3, 1, 11), s(9.0, 4, 1, 11), s(9.2, 4, 2, 20), s(10.0, 5, 1, 11)]
+    kept = [(e["t"], e["step"], e["world"]) for e in committed_records(ev)]
+    assert kept == [(9.0, 4, 1), (10.0, 5, 1)]  # pid 10's step 4 was rolled back, pid 20's is stale

@@ -36,7 +36,10 @@ def committed_records(events: Sequence[Event], until: float = float("inf")) -> l
     own round. A rank writes its step record before the step's all-reduce (train/loop.py), so a
     fast rank's first step of a new world can precede a slow peer's resume of that same world:
     a record by a worker whose own latest resume was at step s into world w is not discarded by
-    a resume at step s into world w. Resumes after `until` (the runner's shutdown) do not count."""
+    a resume at step s into world w. A record written after another worker resumed into a round
+    newer than the writer's own is stale whatever its step: its round is over, so its all-reduce
+    failed (seen: a frozen worker, thawed mid-step, recorded that step after the survivors'
+    world had redone it). Resumes after `until` (the runner's shutdown) do not count."""
     Round = tuple[int, Any]  # (step resumed at, world size)
     resumes = sorted((e["t"], (e["step"], e.get("world"))) for e in events
                      if e.get("ev") == "resume" and e["t"] <= until)
@@ -48,13 +51,17 @@ def committed_records(events: Sequence[Event], until: float = float("inf")) -> l
         rnd = resumes[i][1]
         lowest[i] = later if rnd in later else sorted([rnd, *later], key=lambda r: r[0])[:2]
     times = [t for t, _ in resumes]
-    own: dict[Any, Round] = {}  # pid -> the round of its latest resume so far
+    own: dict[Any, tuple[int, Round]] = {}  # pid -> (index in resumes, round) of its latest resume so far
     out = []
     for e in sorted(events, key=lambda e: e["t"]):
         if e.get("ev") == "resume" and e["t"] <= until:
-            own[e.get("pid")] = (e["step"], e.get("world"))
+            own[e.get("pid")] = (bisect.bisect_right(times, e["t"]) - 1, (e["step"], e.get("world")))
         elif e.get("ev") == "step":
-            others = [r for r in lowest[bisect.bisect_right(times, e["t"])] if r != own.get(e.get("pid"))]
+            mine = own.get(e.get("pid"))
+            now = bisect.bisect_right(times, e["t"])
+            if mine is not None and any(r != mine[1] for _, r in resumes[mine[0] + 1:now]):
+                continue  # its round is over: a newer one began before this record
+            others = [r for r in lowest[now] if r != (mine[1] if mine else None)]
             if not others or e["step"] <= others[0][0]:
                 out.append(e)
     return out
