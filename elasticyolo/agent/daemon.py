@@ -399,7 +399,9 @@ class Agent:
             except Exception as exc:  # noqa: BLE001 - an extension must not block the drain forever
                 self.log.error("drain plug-in failed", plugin=type(plugin).__name__, error=str(exc))
         if not done and time.monotonic() >= self.drain.deadline:
-            self.log.warning("drain timeout reached; leaving anyway", timeout_s=self.cfg.drain_timeout_s)
+            # The deadline is the notice's (less the margin) when one came, else drain_timeout_s.
+            self.log.warning("drain deadline reached; leaving anyway", drain_timeout_s=self.cfg.drain_timeout_s,
+                             past_deadline_s=round(time.monotonic() - self.drain.deadline, 2))
             return True
         return done
 
