@@ -42,14 +42,9 @@ def install() -> None:
     signal.signal(signal.SIGTERM, on_signal)  # until torch registers its handlers (the first round)
 
 
-def received() -> signal.Signals | None:
-    return _received
-
-
 def check() -> None:
     """Raise the stop signal again if one arrived and the launcher is still running its rounds."""
     if _received is not None and threading.current_thread() is threading.main_thread():
         log.warning("the launcher's stop signal was swallowed on the way; raising it again",
                     signal=_received.name)
         raise SignalException(f"launcher {os.getpid()} got {_received.name} (raised again)", sigval=_received)
-

@@ -10,8 +10,9 @@ Why a child process rather than `LocalElasticAgent` on a thread of the agent:
 * a crash of torch's agent cannot take the node daemon (lease, spot notices) down with it.
 Kill chain: the launcher is a `SupervisedProcess` (forked and waited on by its own thread) that
 dies with the agent (`engines/lifeline.py`), and its workers die with it the same way, so SIGKILL
-of the agent kills launcher and workers. A stop that does not finish in `stop_grace_s` gets
-SIGKILL on the launcher's process group (workers follow through PDEATHSIG).
+of the agent kills launcher and workers. A stop that does not finish in `stop_grace_s` (in a drain: by
+the drain's kill lead before its deadline) gets SIGKILL on the launcher's process group
+(workers follow through PDEATHSIG).
 
 The rendezvous run id is `<job>-<spec mod revision>`: every node derives the same id from etcd,
 and a new submission (a new spec revision) gets a fresh rendezvous. Drain plan: stop (torch
