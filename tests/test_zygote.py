@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -112,3 +113,39 @@ def test_a_closed_zygote_waits_for_its_children_and_a_killed_one_takes_them(zygo
         wait_for(lambda: not running(orphan.pid), 30, "the orphaned child is gone")
     finally:
         z2.kill()
+
+
+OWNER = """
+import os, sys
+from elasticyolo.engines.spawn import child_env
+from elasticyolo.engines.zygote import Zygote
+from elasticyolo.exit_hooks import at_exit
+
+marks = sys.argv[1]
+
+def mark(what):
+    with open(marks, "a") as fh:
+        fh.write(f"{what} {os.getpid()}\\n")
+
+at_exit(mark, "owner-hook")  # registered before the zygote is forked: inherited by every child
+z = Zygote.fork_here(["calendar"])
+child = z.fork("calendar", ["2026", "12"], child_env(dict(os.environ)), None, timeout_s=60)
+child.stdin.close()
+out = child.stdout.read()
+mark(f"child-exit-{child.wait(60)}-{int(b'December' in out)}")
+z.kill()
+"""
+
+
+def test_a_forked_child_runs_its_own_exit_hooks_not_its_owners(tmp_path: Path) -> None:
+    """An owner's exit hook (a loader pool's close, a rendezvous leave) acts on the owner's objects:
+    a worker forked from the owner's zygote that ran it failed at exit (a segfault under pytest)
+    or would leave the owner's rendezvous. It runs in the owner only, once."""
+    (tmp_path / "owner.py").write_text(textwrap.dedent(OWNER))
+    marks = tmp_path / "marks"
+    proc = subprocess.run([sys.executable, str(tmp_path / "owner.py"), str(marks)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    marked = [line.split() for line in marks.read_text().splitlines()]
+    assert [what for what, _ in marked] == ["child-exit-0-1", "owner-hook"], marked
+    assert marked[0][1] == marked[1][1]  # the owner's

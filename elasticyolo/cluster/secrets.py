@@ -10,7 +10,6 @@ and writes the value once to a private file (mode 0600) for its children.
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Mapping, MutableMapping
 
 from elasticyolo.errors import UserError
+from elasticyolo.exit_hooks import at_exit
 
 PASSWORD_ENV = "ELASTICYOLO_ETCD_PASSWORD"  # the agent's own (EnvironmentFile=); never passed on
 PASSWORD_FILE_ENV = "ELASTICYOLO_ETCD_PASSWORD_FILE"  # what children get
@@ -85,7 +85,7 @@ def child_password_env(password: str | None, password_file: str | None,
         # $RUNTIME_DIRECTORY: systemd's RuntimeDirectory= (tmpfs, private to the service).
         base = env.get("RUNTIME_DIRECTORY") or None
         directory = Path(tempfile.mkdtemp(prefix="elasticyolo-secret-", dir=base))
-        atexit.register(shutil.rmtree, directory, True)
+        at_exit(shutil.rmtree, directory, True)
         path = directory / CREDENTIAL_NAME
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:

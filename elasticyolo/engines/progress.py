@@ -14,7 +14,6 @@ wrote (`worker_env.py`), never the command line.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import json
 import threading
@@ -28,6 +27,7 @@ from elasticyolo.engines import worker_env
 from elasticyolo.engines.base import WorkerOptions
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
+from elasticyolo.exit_hooks import at_exit
 from elasticyolo.log import get_logger
 
 FIELDS = ("epoch", "epochs", "step", "consumed", "num_samples", "world_size", "loss", "lr", "lr_scale",
@@ -58,7 +58,7 @@ class EtcdProgress:
         self._written: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="etcd-progress", daemon=True)
         self._thread.start()
-        atexit.register(self.flush)  # the last record (final metrics) must not die with the thread
+        at_exit(self.flush)  # the last record (final metrics) must not die with the thread
 
     @classmethod
     def from_env(cls, env: WorkerEnv | None = None) -> "EtcdProgress | None":

@@ -34,6 +34,7 @@ at import: the agent imports the pool side.
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import itertools
 import json
@@ -320,6 +321,8 @@ def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote
         setproctitle(" ".join([sys.executable, "-m", request["module"], *request["args"]]))
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # A fresh interpreter's hooks, not an owner's (pytest's, for one, under the tests).
+        sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__
         for fd in close:
             os.close(fd)
         os.setsid()
@@ -357,7 +360,7 @@ def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote
         traceback.print_exc()
     finally:
         try:
-            atexit._run_exitfuncs()
+            atexit._run_exitfuncs()  # the worker's own and its imports' (elasticyolo's own skip a fork: exit_hooks.py)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -411,6 +414,10 @@ def serve(sock: socket.socket) -> None:
                 raise OSError(f"expected 2 descriptors, got {len(fds)}")
             sys.stdout.flush()
             sys.stderr.flush()
+            # The child's collector never walks what it inherits (the imports, and a forked
+            # zygote's owner's objects, some unsafe to finalize after a fork), the recipe of
+            # `gc.freeze`'s documentation; its pages then stay shared with the zygote too.
+            gc.freeze()
             me = os.getpid()
             pid = os.fork()
             if pid == 0:

@@ -26,7 +26,6 @@ receiver thread pins each batch, so the copy to the device is asynchronous.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import os
 import threading
@@ -37,6 +36,7 @@ from typing import Any, Callable, Hashable, Iterator, Mapping
 
 import torch
 
+from elasticyolo.exit_hooks import at_exit
 from elasticyolo.log import get_logger
 from elasticyolo.train.loader_worker import BatchBuilder, request_seed
 
@@ -222,7 +222,7 @@ class BatchLoader:
 
             self.ctx = helper_context()
             self.pool = _Pool(self, self._payload())
-            atexit.register(_close_at_exit, weakref.ref(self))
+            at_exit(_close_at_exit, weakref.ref(self))
 
     def _payload(self) -> bytes:
         """The datasets, pickled now (before this process builds any batch and fills their mosaic

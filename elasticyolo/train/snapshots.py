@@ -22,7 +22,6 @@ rank 0 downloads, verifies and loads it, then sends it. Nothing anywhere: a fres
 
 from __future__ import annotations
 
-import atexit
 import io
 import os
 import signal
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
+from elasticyolo.exit_hooks import at_exit
 from elasticyolo.log import get_logger
 from elasticyolo.train.collectives import Collectives
 from elasticyolo.train.state import STATE_FORMAT, core_state, load_core_state, state_step
@@ -126,7 +126,7 @@ class LocalSnapshots:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="local-snapshot", daemon=True)
                 self._thread.start()
-                atexit.register(self.close)  # a worker leaving (peer died, job done) still finishes the write
+                at_exit(self.close)  # a worker leaving (peer died, job done) still finishes the write
             self._last_submit = time.monotonic()
             self.submitted_step = int(state.get("progress", {}).get("step", -1))
             self._pending = state

@@ -39,7 +39,6 @@ A round used to take 2-3 s of polling on top of everything else. Both are settin
 
 from __future__ import annotations
 
-import atexit
 import json
 import threading
 import time
@@ -52,6 +51,7 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
 
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.exit_hooks import at_exit
 from elasticyolo.log import get_logger
 
 log = get_logger("elasticyolo.torch.membership")
@@ -227,7 +227,7 @@ def use_membership(handler: Any, view: RendezvousView, node_id: str) -> None:
             view.leave(desc, node_id)
 
     handler._membership_leave = leave
-    atexit.register(leave)
+    at_exit(leave)
     holder = handler._state_holder
     holder.__class__ = MembershipStateHolder  # same fields: only `sync` and `_sanitize` differ
     holder.view = view
