@@ -9,6 +9,7 @@ then play the plan's actions on the replay clock and stop everything at the wind
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import time
@@ -174,6 +175,17 @@ def _submit(nodes: _Nodes, env: ReplayEnv, job: str, max_nodes: int) -> None:
     nodes.cluster.submit(*env.spec, f"max_nodes={max_nodes}", f"checkpoint={store_uri(env)}")
 
 
+def _start_clock() -> float:
+    """The replay's t=0: the next whole second. AWS's instance-action time has whole seconds
+    (`2026-12-04T08:18:53Z`), so a notice announced at a fractional second says the node goes up
+    to 1 s before it does: at real scale 1 s of 120, in a replay at 60x up to half of a 2 s notice
+    (a drain that measured 0.6 s left and killed its step). The trace's changes lie on whole
+    minutes, so at 60x every notice and kill then lies on a whole second, as the time says."""
+    t0 = math.ceil(time.time())
+    time.sleep(max(0.0, t0 - time.time()))
+    return float(t0)
+
+
 def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Say,
           apply: Callable[[Action], None], tail_s: float, final_world: int = 0) -> list[dict[str, Any]]:
     played = []
@@ -230,7 +242,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
         nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
         nodes.wait_checkpoint(env.startup_timeout_s)
         nodes.settle(SETTLE_TIMEOUT_S)
-        t0 = time.time()
+        t0 = _start_clock()
         say(f"elasticyolo: replay starts at world size {n0}")
 
         def apply(a: Action) -> None:
@@ -320,7 +332,7 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
         nodes.wait_world(n0, 0.0, 5, env.startup_timeout_s, f"steady training at world size {n0}")
         nodes.wait_checkpoint(env.startup_timeout_s)
         nodes.settle(SETTLE_TIMEOUT_S)
-        t0 = time.time()
+        t0 = _start_clock()
         say(f"checkpoint-restart: replay starts at world size {n0}")
 
         def apply(a: Action) -> None:
