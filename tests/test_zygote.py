@@ -22,11 +22,11 @@ from elasticyolo.testing.processes import running
 from elasticyolo.testing.wait import wait_for
 
 PROBE = """
-import json, os, sys
+import gc, json, os, sys
 line = sys.stdin.readline()
 print(json.dumps({"line": line.strip(), "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
                   "parent": os.environ.get("%s"), "ppid": os.getppid(), "sid": os.getsid(0), "pid": os.getpid(),
-                  "argv": sys.argv[1:],
+                  "argv": sys.argv[1:], "frozen": gc.get_freeze_count(),
                   "cmdline": open("/proc/self/cmdline").read().replace("\\0", " ").strip()}), flush=True)
 if line.strip() == "wait":
     sys.stdin.readline()
@@ -65,6 +65,7 @@ def test_a_forked_child_is_a_fresh_process_with_the_pools_environment(zygote: Zy
     assert seen["line"] == "hello" and seen["argv"] == ["a", "b"]
     assert seen["env"] == "from-the-pool" and seen["cwd"] == str(tmp_path / "cwd")
     assert seen["pid"] == child.pid and seen["sid"] == child.pid  # its own session: killpg takes its tree
+    assert seen["frozen"] > 1000  # its collector leaves what it inherited alone (gc.freeze)
     if zygote.proc.stdout is not None:  # spawned: ps shows what it runs, not the zygote
         # (a forked zygote's children can retitle themselves only where the owner imported
         # setproctitle before changing its environment, as the torch launcher does first thing;
