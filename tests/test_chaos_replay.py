@@ -19,7 +19,7 @@ needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found"
 
 
 @needs_trace
-@pytest.mark.timeout(960)  # ~4.5 min on 2 idle cores (7 with the accuracy check); more when other jobs share them
+@pytest.mark.timeout(1200)  # ~4.5 min on 2 idle cores (~9 slow: accuracy, two replays); more when other jobs share them
 @pytest.mark.parametrize("accuracy", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
@@ -32,9 +32,10 @@ def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
            "--cpus-per-node", "0",
            "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "work"),
            # The accuracy check (an uninterrupted run to the elastic job's last epoch, both
-           # validated) adds ~2.5 min: `make test-slow` runs it.
-           *([] if accuracy else ["--no-accuracy"])]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+           # validated) adds ~2.5 min, a second replay of the window per system ~1.5:
+           # `make test-slow` runs them.
+           *(["--repeats", "2"] if accuracy else ["--no-accuracy"])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1140)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "victim (seed 0): n2" in r.stdout and "goodput/ideal" in r.stdout
     fig = json.loads(out.read_text())
@@ -52,15 +53,22 @@ def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
         assert s["ideal_samples"] > 0, name
         assert s["committed_samples"] >= 0 and s["lost_samples"] >= 0, name
         assert s["goodput_vs_ideal"] == pytest.approx(s["committed_samples"] / s["ideal_samples"], rel=1e-2)
-        assert len(s["pause_s"]) == 2 and all(p >= 0 for p in s["pause_s"]), name  # one per change
+        repeats = 2 if accuracy else 1
+        # one per change of each replay
+        assert len(s["pause_s"]) == 2 * repeats and all(p >= 0 for p in s["pause_s"]), name
+        if accuracy:  # each replay's own figures beside their pooled ones
+            assert len(s["repeats"]) == 2 and all(len(x["pause_s"]) == 2 for x in s["repeats"]), name
+            assert s["committed_samples"] == pytest.approx(
+                sum(x["committed_samples"] for x in s["repeats"]) / 2, abs=0.1), name
+            assert "replay 2 of 2 starts" in r.stdout
         assert (s["duplicates"], s["skipped"]) == (0, 0), name
     assert systems["elasticyolo"]["committed_samples"] > 0
     if systems["checkpoint-restart"]["committed_samples"]:  # a restart can lose the whole window
         assert systems["checkpoint-restart"]["ratio_vs_baseline"] == 1.0
         assert systems["elasticyolo"]["ratio_vs_baseline"] > 0
-    assert [c["kind"] for c in systems["elasticyolo"]["changes"]] == ["kill_notice", "join"]
+    assert [c["kind"] for c in systems["elasticyolo"]["changes"]] == ["kill_notice", "join"] * repeats
     assert [a["kind"] for a in systems["elasticyolo"]["actions"]] == ["notice", "start", "kill"]
-    assert [c["kind"] for c in systems["checkpoint-restart"]["changes"]] == ["restart", "restart"]
+    assert [c["kind"] for c in systems["checkpoint-restart"]["changes"]] == ["restart", "restart"] * repeats
     proj = fig["projection"]
     assert proj["changes"] > 100 and set(proj["systems"]) == {"elasticyolo", "checkpoint-restart"}
     assert 0 < proj["systems"]["elasticyolo"]["goodput_vs_ideal"] <= 1
@@ -85,6 +93,7 @@ def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
     (["--start-hour", "11", "--hours", "1"], "outside trace"),
     (["--start-hour", "1", "--hours", "1", "--notice-fraction", "1.5"], "--notice-fraction 1.5"),
     (["--start-hour", "1", "--hours", "1", "--cpus-per-node", "-1"], "--cpus-per-node -1"),
+    (["--start-hour", "1", "--hours", "1", "--repeats", "0"], "--repeats 0"),
 ])
 def test_bad_window_is_one_line_error(tmp_path: Path, args: list[str], message: str) -> None:
     r = subprocess.run([ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "3", "--compress", "10",

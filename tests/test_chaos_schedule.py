@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticyolo.chaos.measure import committed_records, coverage_faults, executions, ideal_samples, measure
+from elasticyolo.chaos.measure import committed_records, coverage_faults, executions, ideal_samples, measure, pool
 from elasticyolo.chaos.projection import EventCost, elastic_goodput, project, restart_goodput
 from elasticyolo.chaos.schedule import plan_checkpoint_restart, plan_elastic, scale_count, timeline
 from elasticyolo.chaos.trace import TraceError, check_window, load_trace, parse_trace
@@ -106,6 +106,25 @@ def test_checkpoint_restart_plan_restarts_a_fresh_world_per_change() -> None:
     assert len(names) == len(set(names))
 
 
+def test_a_repeat_plays_the_same_changes_and_victims_on_the_nodes_now_live() -> None:
+    from elasticyolo.chaos.runner import _repeat_plan
+
+    tr = parse_trace(SMALL, "s.csv")
+    tl = timeline(tr, check_window(tr, 0.0, 1.0), nodes=4, compress=60)
+    plan = plan_elastic(tl, notice_s=2.0, notice_fraction=0.5, seed=7)
+    assert _repeat_plan(plan, ["n1", "n2", "n3", "n4"], 0) is plan
+    again = _repeat_plan(plan, ["n1", "n3", "n5", "n6"], 1)
+    assert again.initial_nodes == ["n1", "n3", "n5", "n6"]
+    # the same times, kinds and notices; the victims at the same places; joiners get new names
+    assert [(a.t, a.kind, a.notice_s, a.change) for a in again.actions] == [
+        (a.t, a.kind, a.notice_s, a.change) for a in plan.actions]
+    where = dict(zip(plan.initial_nodes, again.initial_nodes))
+    for a, b in zip(plan.actions, again.actions):
+        assert b.nodes == tuple(where.get(n, f"{n}r1") for n in a.nodes)
+    started = [n for a in again.actions if a.kind == "start" for n in a.nodes]
+    assert started and not set(started) & set(again.initial_nodes) and all(n.endswith("r1") for n in started)
+
+
 @pytest.mark.skipif(not REAL.exists(), reason="the real trace is missing")
 def test_real_trace_windows() -> None:
     tr = load_trace(REAL)
@@ -155,6 +174,43 @@ def test_the_runners_shutdown_after_the_last_change_is_not_its_pause() -> None:
     unbounded = measure(ev, t_start=0.0, tl=tl, rates={1: 1.0, 2: 2.0}, num_samples=40,
                         change_kinds=["kill_no_notice"], change_delays=[0.0])
     assert unbounded.pause_s == [pytest.approx(6.5)]
+
+
+def test_repeats_pool_into_means_per_replay_and_keep_every_change() -> None:
+    tr = parse_trace("0,2\n10000,1\n20000,1\n", "m.csv")
+    tl = timeline(tr, check_window(tr, 0.0, 20 / 3600), nodes=2, compress=1)
+    figs = []
+    for t_start, stall in ((0.0, 2.0), (100.0, 4.0)):  # the second replay pauses longer at its change
+        ev = [_step(t_start + 0.5 + i, 1 + i, 0, 2, [2 * i], start=2 * i) for i in range(10)]
+        ev += [_step(t_start + 10 + stall + i, 11 + i, 0, 1, [20 + i], start=20 + i) for i in range(int(10 - stall))]
+        figs.append(measure(ev, t_start=t_start, tl=tl, rates={1: 1.0, 2: 2.0}, num_samples=100,
+                            change_kinds=["kill_no_notice"], change_delays=[0.0]))
+    assert pool(figs[:1]) is figs[0]
+    both = pool(figs)
+    assert [f.committed_samples for f in figs] == [18, 16]
+    assert both.committed_samples == 17 and both.ideal_samples == 30
+    assert both.goodput_vs_ideal == pytest.approx(34 / 60)
+    assert both.pause_s == [pytest.approx(1.5), pytest.approx(3.5)] and len(both.changes) == 2
+    assert [r["goodput_vs_ideal"] for r in both.repeats] == [pytest.approx(0.6, abs=1e-4), pytest.approx(16 / 30, abs=1e-4)]
+    js = both.to_json()
+    assert js["repeats"] == both.repeats and js["committed_samples"] == 17
+    assert "repeats" not in figs[0].to_json()
+
+
+def test_a_later_world_that_restores_the_same_step_at_the_same_size_is_another_round() -> None:
+    """A world of 2 resumed at step 4, trained steps 5-6 and checkpointed neither; the next world
+    of 2 (new processes) restored the same step 4: the first world's steps 5-6 are rolled back."""
+    def world(t: float, pid0: int) -> list[dict]:
+        ev = [{"ev": "resume", "t": t, "step": 4, "rank": r, "world": 2, "pid": pid0 + r} for r in range(2)]
+        for s in (5, 6):
+            ev += [{**_step(t + s - 4, s, r, 2, [2 * s + r], start=2 * s), "pid": pid0 + r} for r in range(2)]
+        return ev
+
+    ev = world(0.0, 100) + world(30.0, 200)
+    kept = committed_records(ev)
+    assert sorted((e["pid"], e["step"]) for e in kept) == [(200, 5), (200, 6), (201, 5), (201, 6)]
+    assert coverage_faults(ev + [{**_step(40.0, 7, 0, 2, list(range(14)) + list(range(16, 20)), epoch=0),
+                                  "pid": 200}], 20)[:2] == (0, 0)
 
 
 def test_a_restore_discards_later_steps_even_if_never_redone() -> None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from elasticyolo.exit_hooks import at_exit
+
 _HOME = tempfile.mkdtemp(prefix="ey-ckpt-yolo-")
+at_exit(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ["YOLO_OFFLINE"] = "1"  # never fetch anything
 os.environ["YOLO_AUTOINSTALL"] = "False"
 os.environ.setdefault("YOLO_CONFIG_DIR", _HOME)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.chaos.measure import measure, stretch_rates
+from elasticyolo.chaos.measure import measure, pool, stretch_rates
 from elasticyolo.chaos.projection import EventCost, project
 from elasticyolo.chaos.schedule import Plan, ReplayTimeline, plan_checkpoint_restart, plan_elastic, timeline
 from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_trace
@@ -77,6 +77,7 @@ class ReplayOptions:
     keep: bool = False
     accuracy: bool = True  # compare the final mAP with an uninterrupted run (chaos/accuracy.py)
     cpus_per_node: float | None = None  # each node's accelerator's CPU quota; None: the host's split evenly, 0: none
+    repeats: int = 1  # replays of the window per system (`measure.pool`)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ def prepare(o: ReplayOptions) -> Prepared:
         raise TraceError(f"--baseline {o.baseline!r}: only {BASELINE!r} is available")
     if o.engine not in ("horovod", "torch"):
         raise TraceError(f"--engine {o.engine!r}: horovod or torch")
+    if o.repeats < 1:
+        raise TraceError(f"--repeats {o.repeats}: must be >= 1")
     if o.cpus_per_node is not None and not (o.cpus_per_node >= 0 and math.isfinite(o.cpus_per_node)):
         raise TraceError(f"--cpus-per-node {o.cpus_per_node:g}: a CPU count >= 0")
     if o.cpus_per_node:
@@ -224,7 +227,8 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         "trace": str(o.trace), "window": {"start_hour": o.start_hour, "hours": o.hours,
                                           "name": f"hours {o.start_hour:g}-{o.start_hour + o.hours:g}"},
         "nodes": o.nodes, "compress": o.compress, "engine": o.engine, "notice_s": prep.notice_s,
-        "notice_fraction": o.notice_fraction, "seed": o.seed, "replay_s": tl.duration_s,
+        "notice_fraction": o.notice_fraction, "seed": o.seed, "repeats": o.repeats,
+        "replay_s": tl.duration_s,
         "checkpoint_interval_s": {"live": ckpt_live_s, "trace": o.checkpoint_s},
         "changes": [{"t": round(c.t, 2), "trace_hour": round(c.trace_t / 3600, 4), "before": c.before,
                      "after": c.after} for c in tl.changes],
@@ -249,11 +253,12 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
             try:
                 final = tl.changes[-1].after if tl.changes else tl.initial
                 er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s),
-                                 final, shared_steps=SHARED_STEPS if o.accuracy else 0)
+                                 final, shared_steps=SHARED_STEPS if o.accuracy else 0, repeats=o.repeats)
                 runs = [er]
                 if prep.restart is not None:
                     say("checkpoint-restart: replaying the same window, stop-the-world at every change")
-                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final))
+                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final,
+                                                       repeats=o.repeats))
                 if o.accuracy:
                     from elasticyolo.chaos.accuracy import check_accuracy
 
@@ -281,17 +286,19 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         when: {str(n): [round(r, 2) for r in rs] for n, rs in sorted(spans.items())}
         for when, spans in (("before", er.span_rates), ("after", er.span_rates_after))}
     out["steady_stretch_samples_per_s"] = {
-        run.name: {str(n): round(r, 2) for n, r in sorted(stretch_rates(run.events, run.t_start, run.t_stop).items())}
+        run.name: {str(n): round(r, 2) for n, r in sorted(stretch_rates(
+            run.events, run.windows[0].t_start, run.windows[-1].t_stop).items())}
         for run in runs}
     systems: dict[str, Any] = {}
     figs = {}
     for run, plan in zip(runs, [prep.elastic, prep.restart]):
         assert plan is not None
         kinds, delays = change_kinds(plan, tl)
-        fig = measure(run.events, t_start=run.t_start, tl=tl, rates=rates, num_samples=o.train_images,
-                      change_kinds=kinds, change_delays=delays, until=run.t_stop)
+        fig = pool([measure(run.events, t_start=w.t_start, tl=tl, rates=rates, num_samples=o.train_images,
+                            change_kinds=kinds, change_delays=delays, until=w.t_stop) for w in run.windows])
+        kinds = kinds * len(run.windows)  # one per change of every replay, as `fig.changes`
         figs[run.name] = (fig, kinds)
-        systems[run.name] = {**fig.to_json(), "actions": run.applied}
+        systems[run.name] = {**fig.to_json(), "actions": run.windows[0].applied}
     base = systems.get(BASELINE)
     for name, s in systems.items():
         s["ratio_vs_baseline"] = (round(s["committed_samples"] / base["committed_samples"], 3)

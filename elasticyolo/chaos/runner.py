@@ -54,14 +54,24 @@ class ReplayEnv:
 
 
 @dataclass
+class Played:
+    """One replay of the window: when its clock started, what was played, when it was over."""
+
+    t_start: float
+    applied: list[dict[str, Any]]  # actions as played (seconds from t_start)
+    # When the runner moved on (training resumed after the last change, or it gave up): the
+    # cluster's stop, or the next replay's return to the initial world, is no part of it.
+    t_stop: float
+
+
+@dataclass
 class SystemRun:
-    """One system's replay: when the clock started and the workers' trace events."""
+    """One system's replays of the window (`repeats`, one after another on one cluster) and the
+    workers' trace events."""
 
     name: str
-    t_start: float
+    windows: list[Played]
     events: list[dict[str, Any]]
-    applied: list[dict[str, Any]] = field(default_factory=list)  # actions as played (wall times)
-    t_stop: float = float("inf")  # when the runner began stopping the cluster (its drains do not count)
     # Each calibration span's samples/s per node count, before the replay and after it.
     span_rates: dict[int, list[float]] = field(default_factory=dict)
     span_rates_after: dict[int, list[float]] = field(default_factory=dict)
@@ -215,12 +225,22 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
     return played
 
 
+def _repeat_plan(plan: Plan, live: list[str], repeat: int) -> Plan:
+    """The plan for replay `repeat` (from 0): its initial nodes are the first live ones, every node
+    it starts gets a name of its own."""
+    if repeat == 0:
+        return plan
+    names = dict(zip(plan.initial_nodes, live))
+    return plan.renamed(lambda n: names.get(n, f"{n}r{repeat}"))
+
+
 def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, calibrate_s: float,
-                final_world: int = 0, shared_steps: int = 0) -> SystemRun:
+                final_world: int = 0, shared_steps: int = 0, repeats: int = 1) -> SystemRun:
     """elasticyolo: calibrate steady-state samples/s at 1..max_nodes nodes (one node joining at a
-    time, no failures), return to the window's initial world, replay the plan, then calibrate
-    again from max_nodes down to 1 (one node leaving at a time). `shared_steps`: the first node
-    trains at least that many steps alone before the second joins (`SHARED_STEPS`)."""
+    time, no failures), return to the window's initial world, replay the plan (`repeats` times,
+    back to the initial world before each), then calibrate again from max_nodes down to 1 (one
+    node leaving at a time). `shared_steps`: the first node trains at least that many steps alone
+    before the second joins (`SHARED_STEPS`)."""
     say = env.say
     job = ELASTIC_JOB
     nodes = _Nodes(env, job, env.workdir / "elasticyolo")
@@ -239,11 +259,6 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 nodes.wait_steps(0.0, shared_steps, env.startup_timeout_s + shared_steps * 30.0)
         _leave(nodes, extra)  # back to the window's initial size
         n0 = len(plan.initial_nodes)
-        nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
-        nodes.wait_checkpoint(env.startup_timeout_s)
-        nodes.settle(SETTLE_TIMEOUT_S)
-        t0 = _start_clock()
-        say(f"elasticyolo: replay starts at world size {n0}")
 
         def apply(a: Action) -> None:
             if a.kind == "start":
@@ -256,8 +271,24 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 for n in a.nodes:
                     nodes.kill(n)
 
-        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
-        t_stop = time.time()
+        windows = []
+        for r in range(repeats):
+            live = nodes.live()
+            if r:  # back to the window's initial size: the newest nodes leave, or new ones join
+                _leave(nodes, live[n0:])
+                fresh = [f"s{r}n{i}" for i in range(1, n0 - len(live) + 1)]
+                for n in fresh:
+                    nodes.start(n)
+                live = live[:n0] + fresh
+            nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
+            nodes.wait_checkpoint(env.startup_timeout_s)
+            nodes.settle(SETTLE_TIMEOUT_S)
+            t0 = _start_clock()
+            say(f"elasticyolo: replay {r + 1} of {repeats} starts at world size {n0}" if repeats > 1
+                else f"elasticyolo: replay starts at world size {n0}")
+            played = _play(nodes, _repeat_plan(plan, live, r).actions, t0, t0 + duration_s, say, apply,
+                           env.startup_timeout_s, final_world)
+            windows.append(Played(t0, played, time.time()))
         # The calibration again, from max_nodes down to one node (one leaving at a time, with a
         # notice): the replay's minutes lie between the two.
         say("elasticyolo: calibrating again after the replay, from the largest world down")
@@ -272,7 +303,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
             if n > 1:
                 _leave(nodes, [order[max_nodes - n]])
         nodes.stop()
-        return SystemRun("elasticyolo", t0, nodes.cluster.events(), played, t_stop, span_rates, after)
+        return SystemRun("elasticyolo", windows, nodes.cluster.events(), span_rates, after)
     finally:
         nodes.stop()
 
@@ -316,10 +347,11 @@ def _leave(nodes: _Nodes, leaving: list[str]) -> None:
 
 
 def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int,
-                           final_world: int = 0) -> SystemRun:
+                           final_world: int = 0, repeats: int = 1) -> SystemRun:
     """The stop-the-world baseline: every change SIGKILLs every node and starts a fresh world of
     the new size (new node names: nothing node-local survives), which restores the newest S3
-    checkpoint of the same job."""
+    checkpoint of the same job. `repeats`: the window again, each time from a fresh world of its
+    initial size (a restart, as the baseline makes every change)."""
     say = env.say
     job = RESTART_JOB
     nodes = _Nodes(env, job, env.workdir / "checkpoint-restart")
@@ -329,11 +361,6 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
         nodes.cluster.wait(lambda: nodes.cluster.leader() is not None, 60, "a leader")
         _submit(nodes, env, job, max_nodes)
         n0 = len(plan.initial_nodes)
-        nodes.wait_world(n0, 0.0, 5, env.startup_timeout_s, f"steady training at world size {n0}")
-        nodes.wait_checkpoint(env.startup_timeout_s)
-        nodes.settle(SETTLE_TIMEOUT_S)
-        t0 = _start_clock()
-        say(f"checkpoint-restart: replay starts at world size {n0}")
 
         def apply(a: Action) -> None:
             for n in nodes.live():
@@ -341,10 +368,22 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
             for n in a.nodes:
                 nodes.start(n)
 
-        played = _play(nodes, plan.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
-        t_stop = time.time()
+        windows = []
+        for r in range(repeats):
+            this = plan.renamed(lambda n: f"s{r}{n}") if r else plan
+            if r:
+                apply(Action(0.0, "restart", tuple(this.initial_nodes)))
+            nodes.wait_world(n0, time.time() if r else 0.0, 5, env.startup_timeout_s,
+                             f"steady training at world size {n0}")
+            nodes.wait_checkpoint(env.startup_timeout_s)
+            nodes.settle(SETTLE_TIMEOUT_S)
+            t0 = _start_clock()
+            say(f"checkpoint-restart: replay {r + 1} of {repeats} starts at world size {n0}" if repeats > 1
+                else f"checkpoint-restart: replay starts at world size {n0}")
+            played = _play(nodes, this.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
+            windows.append(Played(t0, played, time.time()))
         nodes.stop()
-        return SystemRun("checkpoint-restart", t0, nodes.cluster.events(), played, t_stop=t_stop)
+        return SystemRun("checkpoint-restart", windows, nodes.cluster.events())
     finally:
         nodes.stop()
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from elasticyolo.chaos.trace import SpotTrace, TraceError, Window
 
@@ -103,6 +104,12 @@ class Action:
 class Plan:
     initial_nodes: list[str]
     actions: list[Action] = field(default_factory=list)
+
+    def renamed(self, name: Callable[[str], str]) -> Plan:
+        """The same plan with every node renamed (a repeat of the window: the same changes and
+        victims, played on the nodes now live and on new ones)."""
+        return Plan([name(n) for n in self.initial_nodes],
+                    [replace(a, nodes=tuple(name(n) for n in a.nodes)) for a in self.actions])
 
     def victims(self) -> list[tuple[float, str, bool]]:
         """(time, node, with notice) per killed node, for printing."""

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--notice-s", type=float, default=None, help="spot notice before a kill (default 120 / F)")
     p.add_argument("--notice-fraction", type=float, default=1.0, help="P: share of kills with a notice")
     p.add_argument("--seed", type=int, default=0, help="chooses the victims and which get a notice")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="replay the window N times per system, back to its initial world before each; "
+                        "figures are the means per replay, each replay's are in the JSON")
     p.add_argument("--model", default="yolov8n.yaml")
     p.add_argument("--imgsz", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         notice_fraction=args.notice_fraction, seed=args.seed, model=args.model, imgsz=args.imgsz,
         batch=args.batch, train_images=args.train_images, checkpoint_s=args.checkpoint_s,
         calibrate_s=args.calibrate_s, spec=list(args.spec), workdir=args.workdir, keep=args.keep,
-        accuracy=args.accuracy, cpus_per_node=args.cpus_per_node,
+        accuracy=args.accuracy, cpus_per_node=args.cpus_per_node, repeats=args.repeats,
     )
     out = run_replay(opts, say=lambda m: print(m, flush=True))
     print(summary(out), flush=True)
@@ -77,6 +80,9 @@ def summary(out: dict) -> str:  # type: ignore[type-arg]
         lines.append(f"{name:<20}{s['committed_samples']:>10}{s['lost_samples']:>8}{s['goodput_vs_ideal']:>15.3f}"
                      f"{str(s['ratio_vs_baseline']):>13}{s['duplicates']:>5}{s['skipped']:>5}  "
                      + " ".join(f"{p:.1f}" for p in s["pause_s"]))
+        for i, r in enumerate(s.get("repeats", []), 1):
+            lines.append(f"{'  replay ' + str(i):<20}{r['committed_samples']:>10}{r['lost_samples']:>8}"
+                         f"{r['goodput_vs_ideal']:>15.3f}")
     if "projection" in out:
         p = out["projection"]
         lines.append(f"projection (whole trace, {p['trace_hours']} h, {p['changes']} changes, uncompressed): "

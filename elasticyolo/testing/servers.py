@@ -273,6 +273,8 @@ class S3Server:
 
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
+    # A temp file of its own, removed by `stop` unless the server failed to start (then the
+    # error names it).
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="moto-", suffix=".log")[1]))
 
     @property
@@ -296,10 +298,14 @@ class S3Server:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                      env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"})
         log.close()
-        _wait_http(f"{self.endpoint_url}/moto-api/", timeout, self.proc)
+        try:
+            _wait_http(f"{self.endpoint_url}/moto-api/", timeout, self.proc)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop(keep_log=True)
+            raise type(exc)(f"{exc}; moto_server's log: {self.log_path}") from exc
         return self
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -307,6 +313,8 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if not keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "S3Server":
         return self.start()
