@@ -40,9 +40,11 @@ def plot_replay(out: dict[str, Any], tl: ReplayTimeline, figs: dict[str, SystemF
         for a in out["systems"][name]["actions"]:
             ax.axvline(a["t"], color=COLORS.get(a["kind"], "k"), lw=0.8, ls="--", alpha=0.7)
         s = out["systems"][name]
+        n = len(s.get("repeats", ()))
         ax.set_title(f"{name}: goodput vs ideal {s['goodput_vs_ideal']:.3f}, committed {s['committed_samples']}, "
                      f"lost {s['lost_samples']}" + (f", ratio vs baseline {s['ratio_vs_baseline']}"
-                                                      if s.get("ratio_vs_baseline") else ""), fontsize=10)
+                                                      if s.get("ratio_vs_baseline") else "")
+                     + (f" (means of {n} replays; the first one shown)" if n > 1 else ""), fontsize=10)
         handles = ax.get_legend_handles_labels()[0] + rate.get_legend_handles_labels()[0]
         handles += [plt.Line2D([], [], color=c, ls="--", label=k) for k, c in COLORS.items()]
         ax.legend(handles=handles, loc="lower left", fontsize=7, ncol=4)
