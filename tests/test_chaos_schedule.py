@@ -209,6 +209,13 @@ def test_a_later_world_that_restores_the_same_step_at_the_same_size_is_another_r
     ev = world(0.0, 100) + world(30.0, 200)
     kept = committed_records(ev)
     assert sorted((e["pid"], e["step"]) for e in kept) == [(200, 5), (200, 6), (201, 5), (201, 6)]
+    # One round whose second rank resumed 8 s late (starved), after its fast peer recorded step 5:
+    # time apart does not split a round, so nothing of it is lost.
+    late = world(0.0, 300)
+    late[1] = {**late[1], "t": 8.0}
+    for e in late[2:]:
+        e["t"] += 8.0 if e["step"] == 6 or e["rank"] == 1 else 0.0
+    assert len(committed_records(late)) == 4
     assert coverage_faults(ev + [{**_step(40.0, 7, 0, 2, list(range(14)) + list(range(16, 20)), epoch=0),
                                   "pid": 200}], 20)[:2] == (0, 0)
 

@@ -24,7 +24,6 @@ from typing import Any, Sequence
 from elasticyolo.chaos.schedule import ReplayTimeline
 
 Event = dict[str, Any]
-ROUND_GAP_S = 5.0  # resumes with the same (step, world) further apart than this are different rounds
 
 
 def step_records(events: Sequence[Event]) -> list[Event]:
@@ -42,20 +41,24 @@ def committed_records(events: Sequence[Event], until: float = float("inf")) -> l
     failed (seen: a frozen worker, thawed mid-step, recorded that step after the survivors'
     world had redone it). Resumes after `until` (the runner's shutdown) do not count.
 
-    A round is its resumes' (step, world), and a count of earlier rounds with the same pair: the
-    ranks of one round resume within a collective (0.06 s apart at most in a Horovod replay), so a
-    resume more than ROUND_GAP_S after the last one with its pair is another round (seen: a
-    checkpoint-restart world of 3 that trained 2 steps, checkpointed none, and was replaced by a
-    world of 3 that restored the same checkpoint; as one round, both executions of those steps
-    counted: 48 duplicates)."""
+    A round is its resumes' (step, world) and a count of earlier rounds with that pair: a resume
+    at (s, w) after a step record at world w of step s + 2 or later, written since the last resume
+    at (s, w), begins another round, since no rank of one round records s + 2 before all its
+    peers resumed (step s + 1's all-reduce needs them). Seen: a checkpoint-restart world of 3 that
+    trained 2 steps and checkpointed neither, replaced by a world of 3 that restored the same
+    checkpoint; as one round, both executions of those steps counted: 48 duplicates. (Time apart
+    would not tell: a frozen or starved rank can resume seconds after its peers.)"""
     Round = tuple[int, Any, int]  # (step resumed at, world size, earlier rounds with both)
+    records = sorted((e["t"], e["step"], e.get("world")) for e in events if e.get("ev") == "step")
+    record_times = [t for t, _, _ in records]
     resumes: list[tuple[float, Round]] = []
     round_of: dict[int, Round] = {}  # id(resume event) -> its round
     latest: dict[tuple[int, Any], tuple[float, int]] = {}  # (step, world) -> (last resume time, count)
     for e in sorted((e for e in events if e.get("ev") == "resume" and e["t"] <= until), key=lambda e: e["t"]):
         pair = (e["step"], e.get("world"))
         last_t, k = latest.get(pair, (float("-inf"), -1))
-        if e["t"] - last_t > ROUND_GAP_S:
+        lo, hi = bisect.bisect_right(record_times, last_t), bisect.bisect_left(record_times, e["t"])
+        if k < 0 or any(w == pair[1] and step >= pair[0] + 2 for _, step, w in records[lo:hi]):
             k += 1
         latest[pair] = (e["t"], k)
         round_of[id(e)] = (*pair, k)
