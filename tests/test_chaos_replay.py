@@ -68,6 +68,8 @@ def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
         assert systems["elasticyolo"]["ratio_vs_baseline"] > 0
     assert [c["kind"] for c in systems["elasticyolo"]["changes"]] == ["kill_notice", "join"] * repeats
     assert [a["kind"] for a in systems["elasticyolo"]["actions"]] == ["notice", "start", "kill"]
+    assert all(len(s["windows"]) == repeats and s["windows"][0]["t_start"] < s["windows"][0]["t_stop"]
+               for s in systems.values())
     assert [c["kind"] for c in systems["checkpoint-restart"]["changes"]] == ["restart", "restart"] * repeats
     proj = fig["projection"]
     assert proj["changes"] > 100 and set(proj["systems"]) == {"elasticyolo", "checkpoint-restart"}

@@ -298,7 +298,9 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
                             change_kinds=kinds, change_delays=delays, until=w.t_stop) for w in run.windows])
         kinds = kinds * len(run.windows)  # one per change of every replay, as `fig.changes`
         figs[run.name] = (fig, kinds)
-        systems[run.name] = {**fig.to_json(), "actions": run.windows[0].applied}
+        systems[run.name] = {**fig.to_json(), "actions": run.windows[0].applied,
+                             # wall-clock (epoch s) bounds of each replay, for reading the traces again
+                             "windows": [{"t_start": w.t_start, "t_stop": round(w.t_stop, 3)} for w in run.windows]}
     base = systems.get(BASELINE)
     for name, s in systems.items():
         s["ratio_vs_baseline"] = (round(s["committed_samples"] / base["committed_samples"], 3)
