@@ -225,6 +225,21 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
     return played
 
 
+def _play_window(nodes: _Nodes, name: str, n0: int, repeat: int, repeats: int, actions: list[Action],
+                 duration_s: float, apply: Callable[[Action], None], final_world: int, after: float) -> Played:
+    """One replay of the window, once the world of `n0` has trained 5 steps after `after`, a
+    checkpoint is in the store and every standby is warm."""
+    env = nodes.env
+    nodes.wait_world(n0, after, 5, env.startup_timeout_s, f"steady training at world size {n0}")
+    nodes.wait_checkpoint(env.startup_timeout_s)
+    nodes.settle(SETTLE_TIMEOUT_S)
+    t0 = _start_clock()
+    env.say(f"{name}: replay {repeat + 1} of {repeats} starts at world size {n0}" if repeats > 1
+            else f"{name}: replay starts at world size {n0}")
+    played = _play(nodes, actions, t0, t0 + duration_s, env.say, apply, env.startup_timeout_s, final_world)
+    return Played(t0, played, time.time())
+
+
 def _repeat_plan(plan: Plan, live: list[str], repeat: int) -> Plan:
     """The plan for replay `repeat` (from 0): its initial nodes are the first live ones, every node
     it starts gets a name of its own."""
@@ -280,15 +295,8 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                 for n in fresh:
                     nodes.start(n)
                 live = live[:n0] + fresh
-            nodes.wait_world(n0, time.time(), 5, env.startup_timeout_s, f"steady training at world size {n0}")
-            nodes.wait_checkpoint(env.startup_timeout_s)
-            nodes.settle(SETTLE_TIMEOUT_S)
-            t0 = _start_clock()
-            say(f"elasticyolo: replay {r + 1} of {repeats} starts at world size {n0}" if repeats > 1
-                else f"elasticyolo: replay starts at world size {n0}")
-            played = _play(nodes, _repeat_plan(plan, live, r).actions, t0, t0 + duration_s, say, apply,
-                           env.startup_timeout_s, final_world)
-            windows.append(Played(t0, played, time.time()))
+            windows.append(_play_window(nodes, "elasticyolo", n0, r, repeats, _repeat_plan(plan, live, r).actions,
+                                        duration_s, apply, final_world, after=time.time()))
         # The calibration again, from max_nodes down to one node (one leaving at a time, with a
         # notice): the replay's minutes lie between the two.
         say("elasticyolo: calibrating again after the replay, from the largest world down")
@@ -352,7 +360,6 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
     the new size (new node names: nothing node-local survives), which restores the newest S3
     checkpoint of the same job. `repeats`: the window again, each time from a fresh world of its
     initial size (a restart, as the baseline makes every change)."""
-    say = env.say
     job = RESTART_JOB
     nodes = _Nodes(env, job, env.workdir / "checkpoint-restart")
     try:
@@ -373,15 +380,8 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
             this = plan.renamed(lambda n: f"s{r}{n}") if r else plan
             if r:
                 apply(Action(0.0, "restart", tuple(this.initial_nodes)))
-            nodes.wait_world(n0, time.time() if r else 0.0, 5, env.startup_timeout_s,
-                             f"steady training at world size {n0}")
-            nodes.wait_checkpoint(env.startup_timeout_s)
-            nodes.settle(SETTLE_TIMEOUT_S)
-            t0 = _start_clock()
-            say(f"checkpoint-restart: replay {r + 1} of {repeats} starts at world size {n0}" if repeats > 1
-                else f"checkpoint-restart: replay starts at world size {n0}")
-            played = _play(nodes, this.actions, t0, t0 + duration_s, say, apply, env.startup_timeout_s, final_world)
-            windows.append(Played(t0, played, time.time()))
+            windows.append(_play_window(nodes, "checkpoint-restart", n0, r, repeats, this.actions, duration_s, apply,
+                                        final_world, after=time.time() if r else 0.0))
         nodes.stop()
         return SystemRun("checkpoint-restart", windows, nodes.cluster.events())
     finally:
