@@ -36,8 +36,13 @@ def start_fork_server() -> None:
     next) instead of at the first helper's start."""
     from multiprocessing import forkserver
 
+    from elasticyolo.train import sim_accelerator
+
     helper_context()
     forkserver.ensure_running()
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        sim_accelerator.host_side(pid)  # a simulated node's helpers run on its host, as on a GPU node
 
 
 class ParentWatch:

@@ -54,6 +54,28 @@ def test_a_process_on_a_node_accelerator_is_held_to_its_quota_and_pinned() -> No
     assert not slices.parent.exists()
 
 
+LATE_HELPER = ("import json, os\nfrom multiprocessing import forkserver\nfrom elasticyolo.train import sim_accelerator\n"
+               "from elasticyolo.mp import start_fork_server\nsim_accelerator.enter(helpers=False)\n"
+               "start_fork_server()\npid = forkserver._forkserver._forkserver_pid\n"
+               "print(json.dumps([open('/proc/self/cgroup').read(), open(f'/proc/{pid}/cgroup').read(), "
+               "sorted(os.sched_getaffinity(pid))]))")
+
+
+@needs_cgroups
+@pytest.mark.timeout(120)
+def test_a_helper_server_started_after_entering_the_accelerator_runs_on_the_host() -> None:
+    """A Horovod worker that becomes rank 0 starts the uploader's fork server while training:
+    that server (and the uploader forked from it) goes to the node's host, unpinned."""
+    with CpuSlices(0.5) as slices:
+        out = subprocess.run([*slices.prefix("a"), sys.executable, "-c", LATE_HELPER], capture_output=True,
+                             text=True, timeout=100)
+        assert out.returncode == 0, out.stderr[-2000:]
+        worker_cg, server_cg, server_cpus = json.loads(out.stdout.splitlines()[-1])
+        assert f"/{slices.parent.name}/a\n" in worker_cg
+        assert f"/{slices.host_parent.name}/a\n" in server_cg and f"/{slices.parent.name}/" not in server_cg
+        assert server_cpus == host_cpus()
+
+
 @needs_cgroups
 def test_close_kills_what_is_left_and_removes_the_cgroups() -> None:
     slices = CpuSlices(0.5)

@@ -300,10 +300,11 @@ class CheckpointManager:
     def _start_uploader(self) -> None:
         from elasticyolo.checkpoint import uploader
         from elasticyolo.checkpoint.shipping import dumps_portable
-        from elasticyolo.mp import helper_context
+        from elasticyolo.mp import helper_context, start_fork_server
 
         try:
             ctx = helper_context()
+            start_fork_server()  # a simulated node runs it on its host side (train/sim_accelerator.py)
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=uploader.main, name=f"elasticyolo-ckpt-{self.job}", daemon=True,
                                args=(theirs, dumps_portable(self.store), self.job, self.options, self._serializer,

@@ -110,7 +110,9 @@ class TrainingLoop:
 
     def run(self) -> Summary:
         core = self.core
-        sim_accelerator.enter(helpers=core.loader.workers > 0 or bool(core.spec.checkpoint))
+        # Only rank 0 checkpoints (train/checkpointing.py): another rank starting the uploader's
+        # fork server would import torch on its host for nothing, on every torch elastic round.
+        sim_accelerator.enter(helpers=core.loader.workers > 0 or (bool(core.spec.checkpoint) and core.rank == 0))
         t0 = time.perf_counter()
         self.trace.write("loader", rank=core.rank, world=core.world, workers=core.loader.workers,
                          ready=core.loader.ready)

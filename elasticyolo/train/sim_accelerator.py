@@ -24,12 +24,20 @@ from elasticyolo.log import get_logger
 log = get_logger("elasticyolo.sim_accelerator")
 
 
+_host_procs: list[str] = []  # this process's own cgroups before `enter`: the node's host side
+_host_cpus: set[int] = set()  # and the CPUs it could run on then
+
+
 def enter(helpers: bool) -> None:
     """Move this process onto the node's simulated accelerator (idempotent). `helpers`: it will
-    start helper processes (checkpoint uploader, loader workers)."""
+    start helper processes (checkpoint uploader, loader workers) now; one started later is moved
+    back to the host by `mp.start_fork_server` (`host_side`)."""
     paths = [p for p in os.environ.get(ENV_SIM_ACCELERATOR, "").split(os.pathsep) if p]
     if not paths:
         return
+    if not _host_procs:
+        _host_procs.extend(_own_groups(paths))
+        _host_cpus.update(os.sched_getaffinity(0))
     if helpers:
         # Helpers (the checkpoint uploader, loader workers) are forked from the fork server and
         # inherit its cgroup: start it while this process is still on the host side.
@@ -42,3 +50,45 @@ def enter(helpers: bool) -> None:
                 f.write(str(os.getpid()))
         except OSError as exc:  # the simulation's slice is gone: train on, measured wrongly, said
             log.warning("sim_accelerator_enter_failed", path=path, error=str(exc))
+
+
+def host_side(pid: int) -> None:
+    """Move a helper server this process started after `enter` (a rank that became rank 0 and
+    now checkpoints) to the node's host, where a GPU node runs it: its imports and its helpers'
+    work never count against the accelerator's quota. Nothing happens unless simulated."""
+    try:
+        for path in _host_procs:
+            with open(path, "w") as f:
+                f.write(str(pid))
+        if _host_cpus:
+            # Leaving the pinned cpuset does not widen the affinity here (seen on 6.18, cgroup v1:
+            # a child forked on the pinned core kept it in the root cpuset): set it as well.
+            os.sched_setaffinity(pid, _host_cpus)
+    except OSError as exc:
+        log.warning("sim_accelerator_host_side_failed", pid=pid, error=str(exc))
+
+
+def _own_groups(accelerator_procs: list[str]) -> list[str]:
+    """For each accelerator `cgroup.procs` file, this process's current cgroup in that hierarchy
+    (its `cgroup.procs` file): cgroup v1 keeps one hierarchy per controller (cpu, cpuset), v2 one."""
+    mounts: list[tuple[str, set[str]]] = []  # (mount point, controllers; empty for v2)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fstype, _, options = right.split()[:3]
+            if fstype in ("cgroup", "cgroup2"):
+                mounts.append((left.split()[4], set(options.split(",")) if fstype == "cgroup" else set()))
+    member: dict[frozenset[str], str] = {}  # controllers -> this process's path in that hierarchy
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            member[frozenset(c for c in controllers.split(",") if c)] = path
+    found = []
+    for procs in accelerator_procs:
+        mount = max((m for m in mounts if procs.startswith(m[0] + "/")), key=lambda m: len(m[0]), default=None)
+        if mount is None:
+            continue
+        path = next((p for c, p in member.items() if (c & mount[1]) or (not c and not mount[1])), None)
+        if path is not None:
+            found.append(os.path.join(mount[0], path.lstrip("/"), "cgroup.procs"))
+    return found
