@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from multiprocessing.context import BaseContext
+from typing import Callable
 
 # Imported once by the fork server, so each helper forked from it starts warm.
 PRELOAD = ["elasticyolo.train.loader_worker", "elasticyolo.checkpoint.uploader"]
@@ -31,18 +32,21 @@ def helper_context() -> BaseContext:
     return _ctx
 
 
+# Where a fork server goes once started: a simulated node (train/sim_accelerator.py) moves it to
+# the node's host side. Unset in a real deployment.
+place_fork_server: Callable[[int], None] | None = None
+
+
 def start_fork_server() -> None:
     """Start the fork server now (its imports run in parallel with whatever this process does
     next) instead of at the first helper's start."""
     from multiprocessing import forkserver
 
-    from elasticyolo.train import sim_accelerator
-
     helper_context()
     forkserver.ensure_running()
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is not None:
-        sim_accelerator.host_side(pid)  # a simulated node's helpers run on its host, as on a GPU node
+    if pid is not None and place_fork_server is not None:
+        place_fork_server(pid)
 
 
 class ParentWatch:

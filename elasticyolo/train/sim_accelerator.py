@@ -30,20 +30,21 @@ _host_cpus: set[int] = set()  # and the CPUs it could run on then
 
 def enter(helpers: bool) -> None:
     """Move this process onto the node's simulated accelerator (idempotent). `helpers`: it will
-    start helper processes (checkpoint uploader, loader workers) now; one started later is moved
-    back to the host by `mp.start_fork_server` (`host_side`)."""
+    start helper processes (checkpoint uploader, loader workers) now; a fork server started later
+    is moved to the host (`host_side`, which `mp.start_fork_server` calls from then on)."""
     paths = [p for p in os.environ.get(ENV_SIM_ACCELERATOR, "").split(os.pathsep) if p]
     if not paths:
         return
+    from elasticyolo import mp
+
     if not _host_procs:
         _host_procs.extend(_own_groups(paths))
         _host_cpus.update(os.sched_getaffinity(0))
+        mp.place_fork_server = host_side
     if helpers:
         # Helpers (the checkpoint uploader, loader workers) are forked from the fork server and
         # inherit its cgroup: start it while this process is still on the host side.
-        from elasticyolo.mp import start_fork_server
-
-        start_fork_server()
+        mp.start_fork_server()
     for path in paths:
         try:
             with open(path, "w") as f:
