@@ -21,6 +21,11 @@ from elasticyolo.train.state import build_core_checkpoint, load_core_checkpoint
 log = get_logger("elasticyolo.checkpointing")
 
 
+def saves_checkpoints(rank: int) -> bool:
+    """Only rank 0 saves (and so needs a writable store and an uploader)."""
+    return rank == 0
+
+
 def open_checked_store(spec: TrainSpec, write: bool) -> Any:
     """The spec's checkpoint store (None without one), checked: one clear line for a bad URI,
     bucket or credentials (`write`: also a missing write permission)."""
@@ -42,7 +47,7 @@ class Checkpointer:
         self.sinks = sinks or []  # progress sinks: told {"kind": "checkpoint", ...} when one lands
         self._published_step = -1
         self.manager: CheckpointManager | None = None
-        self.store: Any = store if store is not None else open_checked_store(spec, write=rank == 0)
+        self.store: Any = store if store is not None else open_checked_store(spec, write=saves_checkpoints(rank))
         if self.store is not None:
             self.manager = CheckpointManager(
                 self.store, job, save_period_steps=spec.save_period_steps, save_period_s=spec.save_period_s,
@@ -84,7 +89,7 @@ class Checkpointer:
         return manifest.step
 
     def after_commit(self, core: TrainCore) -> None:
-        if self.manager is None or core.rank != 0:
+        if self.manager is None or not saves_checkpoints(core.rank):
             return
         epoch_end = core.progress.consumed == 0 and core.progress.step > 0
         self.manager.maybe_save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
@@ -105,7 +110,7 @@ class Checkpointer:
 
     def save_now(self, core: TrainCore, reason: str, timeout: float | None = 120.0) -> bool:
         """A blocking save (drain, job end). True when it landed in time."""
-        if self.manager is None or core.rank != 0:
+        if self.manager is None or not saves_checkpoints(core.rank):
             return True
         landed = self.manager.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
                                    reason=reason, wait=True, timeout=timeout)

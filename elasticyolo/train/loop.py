@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from elasticyolo.train import sim_accelerator
+from elasticyolo.train.checkpointing import saves_checkpoints
 from elasticyolo.train.core import StepResult, TrainCore
 from elasticyolo.train.fitness import should_stop
 
@@ -110,9 +111,10 @@ class TrainingLoop:
 
     def run(self) -> Summary:
         core = self.core
-        # Only rank 0 checkpoints (train/checkpointing.py): another rank starting the uploader's
-        # fork server would import torch on its host for nothing, on every torch elastic round.
-        sim_accelerator.enter(helpers=core.loader.workers > 0 or (bool(core.spec.checkpoint) and core.rank == 0))
+        # Another rank starting the uploader's fork server would import torch on its host for
+        # nothing, on every torch elastic round.
+        sim_accelerator.enter(helpers=core.loader.workers > 0
+                              or (bool(core.spec.checkpoint) and saves_checkpoints(core.rank)))
         t0 = time.perf_counter()
         self.trace.write("loader", rank=core.rank, world=core.world, workers=core.loader.workers,
                          ready=core.loader.ready)
