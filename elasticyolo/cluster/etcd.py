@@ -28,6 +28,7 @@ from etcd3gw.client import _EXCEPTIONS_BY_CODE, Etcd3Client
 from etcd3gw import exceptions as gw_exc
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from elasticyolo.cluster.tls import may_hide_a_refusal, probe_refusal, tls_refusal
 from elasticyolo.errors import UnavailableError, UserError
 
 API_PATH = "/v3/"
@@ -183,7 +184,12 @@ class EtcdClient:
         except requests.exceptions.Timeout as ex:
             raise gw_exc.ConnectionTimeoutError(str(ex)) from ex
         except requests.exceptions.SSLError as ex:
-            refusal = tls_refusal(ex, client.get_url(""), has_cert=bool(self._tls_args["cert_cert"]))
+            ca, cert, key = self._tls_args["ca_cert"], self._tls_args["cert_cert"], self._tls_args["cert_key"]
+            where = f"etcd {client.get_url('').rstrip('/').removesuffix(API_PATH.rstrip('/'))}"
+            refusal = tls_refusal(ex, where, has_cert=bool(cert))
+            if refusal is None and may_hide_a_refusal(ex):
+                verdict = probe_refusal(client.host, int(client.port), ca, cert, key, timeout=min(self.timeout, 3.0))
+                refusal = tls_refusal(verdict, where, has_cert=bool(cert)) if verdict is not None else None
             if refusal is not None:
                 raise refusal from None  # a certificate problem: no retry or failover fixes it
             raise gw_exc.ConnectionFailedError(str(ex)) from ex
@@ -576,32 +582,6 @@ def _detail(exc: BaseException) -> str:
     except (ValueError, TypeError):
         pass
     return " ".join(str(text).split())[:300]
-
-
-# OpenSSL reasons that mean "this certificate will never be accepted" (not a flaky network).
-_PEER_REFUSED_CERT = ("ALERT_BAD_CERTIFICATE", "ALERT_CERTIFICATE_REQUIRED", "ALERT_UNKNOWN_CA",
-                      "ALERT_CERTIFICATE_UNKNOWN", "ALERT_CERTIFICATE_EXPIRED", "ALERT_CERTIFICATE_REVOKED",
-                      "ALERT_ACCESS_DENIED")
-_WE_REFUSED_CERT = ("CERTIFICATE_VERIFY_FAILED",)
-
-
-def tls_refusal(exc: BaseException, endpoint: str, has_cert: bool) -> UserError | None:
-    """A one-line UserError when a TLS handshake failed over a certificate, else None."""
-    text = str(exc)
-    m = re.search(r"\[SSL: ([A-Z0-9_]+)\] ([^(]+?)\s*\(_ssl", text)
-    code, reason = (m.group(1), m.group(2).strip()) if m else ("", "")
-    where = f"etcd {endpoint.rstrip('/').removesuffix(API_PATH.rstrip('/'))}"
-    if any(c in code for c in _PEER_REFUSED_CERT):
-        if not has_cert:
-            return UserError(f"{where}: TLS handshake refused ({reason}): the server requires a client certificate; "
-                             "set etcd_cert and etcd_key")
-        return UserError(f"{where}: TLS handshake refused ({reason}): the server does not accept our client "
-                         "certificate; use one signed by the cluster CA (etcd_cert, etcd_key)")
-    if any(c in code for c in _WE_REFUSED_CERT):
-        detail = text.split("certificate verify failed:", 1)[-1].split("(_ssl")[0].strip() or reason
-        return UserError(f"{where}: the server's TLS certificate is not trusted ({detail}); set etcd_ca to the "
-                         "cluster CA")
-    return None
 
 
 _TRANSIENT_MARKERS = ("leader changed", "no leader", "timed out", "timeout", "unavailable",
