@@ -51,6 +51,8 @@ class TrainSpec(S3Settings):
                                         "0 loads in the training process")
     cache: Literal["ram", "disk", "false"] = Field("false", description="keep decoded, resized images: ram, disk or false")
     amp: bool = True
+    channels_last: bool | None = Field(None, description="train in NHWC memory layout; unset: on for CUDA, as "
+                                                         "Ultralytics (about half the GPU time of NCHW)")
     device: str = ""
     val: bool = True
     hyp: dict[str, float] = Field(default_factory=dict, description="Ultralytics augmentation/loss keys")
@@ -223,7 +225,7 @@ class TrainSpec(S3Settings):
         """The keys Ultralytics' `get_cfg` understands, for the loss gains and augmentation."""
         keys = ("imgsz", "batch", "lr0", "lrf", "momentum", "weight_decay", "warmup_epochs",
                 "warmup_momentum", "warmup_bias_lr", "nbs", "cos_lr", "close_mosaic", "epochs",
-                "seed", "workers", "optimizer", "amp")
+                "seed", "workers", "optimizer", "amp", "channels_last")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
         out["cache"] = False if self.cache == "false" else self.cache
         out.update(self.hyp)

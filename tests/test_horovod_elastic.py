@@ -101,8 +101,10 @@ def test_added_host_grows_world_and_receives_committed_state(dataset: Path, job_
     # Ultralytics on a busy machine, joins well before the end.
     # Plain horovodrun starts the newcomer cold: the running worker waits in Gloo's rendezvous
     # until the newcomer reaches hvd.init(), so the Gloo timeout must outlast that start.
-    job = job_factory(["localhost:1"], worker_args(dataset, epochs=5), min_np=1, max_np=2, np=1,
-                      gloo_timeout_s=90).start()
+    # channels_last=true: the NHWC layout a GPU trains in (layout.py), through Horovod's gradient
+    # all-reduce and the newcomer's state sync.
+    job = job_factory(["localhost:1"], worker_args(dataset, epochs=5) + ["channels_last=true"], min_np=1, max_np=2,
+                      np=1, gloo_timeout_s=90).start()
     job.wait_for(lambda: len(job.steps(world=1)) >= 2, 180, "two steps at world size 1")
     job.set_hosts(["localhost:1", "127.0.0.1:1"])
     job.wait_for(lambda: job.steps(world=2), 240, "a step at world size 2")

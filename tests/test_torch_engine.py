@@ -132,7 +132,9 @@ def jobs(tmp_path: Path) -> Iterator[Any]:
 
 def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, dataset, jobs) -> None:
     job = jobs(etcd_server.endpoints, job_name)
-    job.submit(spec_pairs(dataset, epochs=200, workers=2))  # two prefetching loader processes per worker
+    # Two prefetching loader processes per worker; channels_last=true: the NHWC layout a GPU trains
+    # in (layout.py), through the gradient all-reduce and the joiner's state broadcast.
+    job.submit(spec_pairs(dataset, epochs=200, workers=2, channels_last="true"))
     job.start("a")
     b = job.start("b")
     job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 120,

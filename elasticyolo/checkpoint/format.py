@@ -263,7 +263,10 @@ def apply_checkpoint(
         if hasattr(ema, "updates"):
             ema.updates = int(e.get("ema_updates", ckpt.get("updates", 0)))
     if optimizer is not None and ckpt.get("optimizer") is not None:
+        from elasticyolo.train.layout import align_optimizer_state
+
         optimizer.load_state_dict(ckpt["optimizer"])
+        align_optimizer_state(optimizer)  # written from host memory in NCHW; the model may train NHWC
     if scheduler is not None and e.get("scheduler") is not None:
         scheduler.load_state_dict(e["scheduler"])
     if scaler is not None and e.get("scaler"):

@@ -32,6 +32,7 @@ from elasticyolo.spec import TrainSpec
 from elasticyolo.train.loader import BatchLoader, LoaderStats, Request, loader_workers
 from elasticyolo.train.loader_worker import CLOSED_MOSAIC
 from elasticyolo.train.offline import disable_ultralytics_network
+from elasticyolo.train.layout import apply_layout, wants_channels_last
 from elasticyolo.train.policy import Scaling, resize_ramp, scaling_for
 from elasticyolo.train.sampler import ElasticSampler
 
@@ -184,6 +185,10 @@ class TrainCore:
         overrides.update(data=self.data["yaml_file"], model=spec.model, plots=False, val=spec.val, verbose=False)
         self.hyp = get_cfg(overrides=overrides)
         self.model = build_model(spec, self.data["nc"], self.data["names"]).to(self.device)
+        # Before the EMA copy and the optimizer, which then follow the layout (layout.py).
+        self.channels_last = wants_channels_last(self.device, spec.channels_last)
+        if self.channels_last:
+            apply_layout([self.model], True)
         self.model.args = self.hyp  # the loss reads box/cls/dfl gains from here
         self.stride = max(int(self.model.stride.max()), 32)
 

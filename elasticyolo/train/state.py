@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from elasticyolo.train.layout import align_optimizer_state
+
 if TYPE_CHECKING:
     from elasticyolo.train.core import Progress, TrainCore
 
@@ -76,6 +78,7 @@ def load_core_state(core: "TrainCore", state: Mapping[str, Any]) -> None:
     core.ema.ema.load_state_dict(state["ema"])
     core.ema.updates = int(state["ema_updates"])
     core.optimizer.load_state_dict(state["optimizer"])
+    align_optimizer_state(core.optimizer)  # saved from host memory in NCHW; the model may train NHWC
     if state.get("scaler") and core.scaler.is_enabled():
         core.scaler.load_state_dict(state["scaler"])
     core.progress = progress_from(state["progress"])

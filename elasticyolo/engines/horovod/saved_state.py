@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from horovod.torch.elastic.state import ModelStateHandler, OptimizerStateHandler, StateHandler
 
+from elasticyolo.train.layout import align_optimizer_state
+
 
 def copy_into(saved: Any, live: Any) -> Any:
     """A copy of `live` (nested dicts, lists and tensors), written into `saved`'s tensors
@@ -66,6 +68,7 @@ class BufferedOptimizerState(_SavesIntoBuffers, OptimizerStateHandler):
 
     def restore(self) -> None:
         self.value.load_state_dict(copy_into(None, self._saved_optimizer_state))
+        align_optimizer_state(self.value)
 
 
 def buffered_handler(value: Any) -> StateHandler | None:

@@ -37,6 +37,7 @@ from elasticyolo.train.checkpointing import Checkpointer, open_checked_store
 from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics, shared_progress
 from elasticyolo.train.digest import optimizer_state_digest, params_digest
+from elasticyolo.train.layout import default_layout
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
 from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
 
@@ -120,7 +121,8 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
             self._set_attrs()
             how = f"shares from {len(senders)} ranks to ranks {receivers}"
         else:
-            super().sync()
+            with default_layout([self.net, self.ema], self.opt):  # Horovod's broadcasts take NCHW only
+                super().sync()
             how = "tensor by tensor"
         log.info("state synced from rank 0", how=how, tensors=len(tensors), step=self.progress.get("step"),
                  seconds=round(time.perf_counter() - t0, 3), agreed_s=round(t_agreed - t0, 3))
@@ -274,7 +276,8 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepare
     def allreduce(grads: list[torch.Tensor]) -> None:
         if hvd.size() == 1:
             return
-        compressed, ctxs = zip(*(compression.compress(g) for g in grads))
+        # Horovod takes only tensors contiguous in NCHW; NHWC gradients (layout.py) travel as copies.
+        compressed, ctxs = zip(*(compression.compress(g.contiguous()) for g in grads))
         reduced = wait_quietly(hvd.grouped_allreduce_async(list(compressed), op=hvd.Average, name="grads"))
         for g, r, ctx in zip(grads, reduced, ctxs):
             g.copy_(compression.decompress(r, ctx))
