@@ -79,12 +79,17 @@ def test_an_nhwc_core_trains_checkpoints_resumes_and_writes_nchw_weights(tmp_pat
     load_core_state(fresh, core_state(plain))
     _state_follows_params(fresh)
 
-    # Horovod's per-tensor broadcasts take NCHW only: the fallback sync converts and converts back.
-    with default_layout([fresh.model, fresh.ema.ema], fresh.optimizer):
+    # Horovod's per-tensor broadcasts take NCHW only: the fallback sync converts and converts back,
+    # and the EMA then still follows the model (ModelEMA had cached the tensors it updates).
+    with default_layout([fresh.model, fresh.ema.ema], fresh.optimizer, fresh.ema):
         assert all(p.is_contiguous() for p in fresh.model.parameters())
         _state_follows_params(fresh)
     assert is_channels_last(fresh.model) and is_channels_last(fresh.ema.ema)
     _state_follows_params(fresh)
+    weights = [t for t in fresh.ema.ema.state_dict().values() if t.dim() == 4]  # the converted ones
+    before = [t.clone() for t in weights]
+    fresh.train_step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, weights))
 
     # Ultralytics loads the file, fuses (with .view(): NCHW weights only) and predicts.
     from ultralytics import YOLO

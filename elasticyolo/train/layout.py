@@ -14,7 +14,7 @@ checkpoints store the logical values (`checkpoint/format.py` writes the Ultralyt
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -52,10 +52,18 @@ def is_channels_last(module: nn.Module) -> bool:
                for p in module.parameters())
 
 
+def forget_cached_tensors(ema: Any) -> None:
+    """Ultralytics' ModelEMA keeps lists of the EMA's and the model's tensors from its first
+    update on; a layout change replaces those tensors, so the lists must be built again."""
+    if getattr(ema, "_pairs", None) is not None:
+        ema._pairs = None
+
+
 @contextmanager
-def default_layout(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def default_layout(modules: list[nn.Module], optimizer: torch.optim.Optimizer, ema: Any = None) -> Iterator[None]:
     """The modules and the optimizer's state in NCHW for the duration (Horovod's per-tensor
-    broadcasts require it), then back to the layout the first module had."""
+    broadcasts require it), then back to the layout the first module had. `ema`: the ModelEMA
+    that updates from these modules."""
     nhwc = bool(modules) and is_channels_last(modules[0])
     if nhwc:
         apply_layout(modules, False)
@@ -66,3 +74,4 @@ def default_layout(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -
         if nhwc:
             apply_layout(modules, True)
             align_optimizer_state(optimizer)
+            forget_cached_tensors(ema)

@@ -69,6 +69,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
     quiesce_poller: QuiescePoller | None = None
     on_quiesce: Any = None  # called on every rank at the commit all ranks agreed to quiesce at
     aborter = CollectiveAborter()  # one worker process, one state
+    model_ema: Any = None  # the ModelEMA updating `ema` from `net` (a layout change must reach it)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -121,7 +122,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
             self._set_attrs()
             how = f"shares from {len(senders)} ranks to ranks {receivers}"
         else:
-            with default_layout([self.net, self.ema], self.opt):  # Horovod's broadcasts take NCHW only
+            with default_layout([self.net, self.ema], self.opt, self.model_ema):  # Horovod's broadcasts: NCHW only
                 super().sync()
             how = "tensor by tensor"
         log.info("state synced from rank 0", how=how, tensors=len(tensors), step=self.progress.get("step"),
@@ -256,6 +257,7 @@ def prepare_worker(spec: TrainSpec, core: TrainCore | None = None, local_rank: i
         model=None, optimizer=None, opt=core.optimizer, net=core.model, ema=core.ema.ema,
         progress=asdict(core.progress), scaler=core.scaler.state_dict(), ema_updates=core.ema.updates,
     )
+    state.model_ema = core.ema
     # Any node may come to hold rank 0, which writes the checkpoints: check writing everywhere.
     return PreparedWorker(core, state, open_checked_store(spec, write=True))
 
