@@ -4,15 +4,25 @@ the checkpoint uploader).
 `forkserver`: a clean single-purpose server process is started once (fork+exec, safe from a
 process that already runs Horovod/Gloo/NCCL threads) and imports torch, Ultralytics' data code
 and the checkpoint code once; every helper is forked from it, so a helper starts in
-milliseconds without forking the threaded training process itself. Helpers watch their parent
-(the fork server, which exits when the training process dies) and exit when it goes away.
+milliseconds without forking the threaded training process itself. Helpers watch their owner
+(the training process that started them) and their parent (the fork server) and exit when
+either goes away.
+
+A worker forked from a zygote (engines/zygote.py) shares the zygote's fork server instead
+(`fork_shared_fork_server`): forked, not exec'd, from the zygote, which holds the imports
+already. torch elastic replaces every worker at every change; each new rank 0 used to start a
+server that imported torch again (about 3.5 CPU-s on the node's host, while a joiner started).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import socket
+import traceback
+import types
 from multiprocessing.context import BaseContext
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 # Imported once by the fork server, so each helper forked from it starts warm.
 PRELOAD = ["elasticyolo.train.loader_worker", "elasticyolo.checkpoint.uploader"]
@@ -29,7 +39,102 @@ def helper_context() -> BaseContext:
         ctx = tmp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         _ctx = ctx
+    _adopt_inherited_fork_server()
     return _ctx
+
+
+def fork_shared_fork_server(close: Sequence[int] = (), in_server: Callable[[], None] | None = None) -> int:
+    """Fork the helpers' fork server from this process, for every process forked from it later
+    (a zygote's workers). Call from a single-threaded process that has imported torch: the server
+    then starts with everything `PRELOAD` needs and imports nothing. `close`: descriptors the
+    server must not hold (the zygote's pool socket). `in_server` runs first in the server (its
+    lifeline). Returns the server's pid."""
+    from multiprocessing import connection, forkserver
+
+    helper_context()
+    for module in PRELOAD:
+        importlib.import_module(module)
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # every client holds the write end; all gone: the server exits
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(alive_w)
+            for fd in close:
+                os.close(fd)
+            if in_server is not None:
+                in_server()
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit:
+            pass
+        except BaseException:  # noqa: BLE001 - never return into the forking process's code
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    listener.close()
+    os.close(alive_r)
+    fs: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    fs._forkserver_address, fs._forkserver_alive_fd, fs._forkserver_pid = address, alive_w, pid
+    return pid
+
+
+_checked_in: int | None = None  # the process that last looked for an inherited fork server
+
+
+def _adopt_inherited_fork_server() -> None:
+    """In a process forked after `fork_shared_fork_server`: multiprocessing checks its server
+    with `waitpid`, which fails for a server that is not this process's child. Check it by pid
+    instead, and start one of our own only when it is gone."""
+    global _checked_in
+    if _checked_in == os.getpid():
+        return
+    _checked_in = os.getpid()
+    from multiprocessing import forkserver
+
+    fs: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    pid = fs._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+        return  # our own child: multiprocessing's check works
+    except ChildProcessError:
+        pass
+    fs.ensure_running = types.MethodType(_ensure_inherited_running, fs)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _ensure_inherited_running(fs: Any) -> None:
+    from multiprocessing import resource_tracker
+    from multiprocessing.forkserver import ForkServer
+
+    with fs._lock:
+        resource_tracker.ensure_running()
+        if fs._forkserver_pid is not None and _running(fs._forkserver_pid):
+            return
+        # Gone (with its zygote): forget it and start one of our own, as multiprocessing would.
+        if fs._forkserver_alive_fd is not None:
+            os.close(fs._forkserver_alive_fd)
+        fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+        del fs.ensure_running
+    ForkServer.ensure_running(fs)
 
 
 # Where a fork server goes once started: a simulated node (train/sim_accelerator.py) moves it to
@@ -43,8 +148,9 @@ def start_fork_server() -> None:
     from multiprocessing import forkserver
 
     helper_context()
-    forkserver.ensure_running()
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    server.ensure_running()  # the instance's: an inherited server's check (the module alias is not)
+    pid = server._forkserver_pid
     if pid is not None and place_fork_server is not None:
         place_fork_server(pid)
 
@@ -104,4 +210,5 @@ def single_threaded(threads: int = 1) -> None:
         pass
 
 
-__all__ = ["PRELOAD", "ParentWatch", "adopt_environment", "helper_context", "single_threaded", "start_fork_server"]
+__all__ = ["PRELOAD", "ParentWatch", "adopt_environment", "fork_shared_fork_server", "helper_context",
+           "single_threaded", "start_fork_server"]

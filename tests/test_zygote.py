@@ -150,3 +150,59 @@ def test_a_forked_child_runs_its_own_exit_hooks_not_its_owners(tmp_path: Path) -
     marked = [line.split() for line in marks.read_text().splitlines()]
     assert [what for what, _ in marked] == ["child-exit-0-1", "owner-hook"], marked
     assert marked[0][1] == marked[1][1]  # the owner's
+
+
+HELPER_TARGET = """
+import os, sys
+
+def report(q):
+    q.put({"pid": os.getpid(), "ppid": os.getppid(), "torch": "torch" in sys.modules})
+"""
+
+HELPER_USER = """
+import json
+from multiprocessing import forkserver
+from elasticyolo.mp import helper_context, start_fork_server
+from zhelper_target import report
+
+if __name__ == "__main__":  # the helper imports this module again
+    start_fork_server()  # as a TrainCore does first (a no-op here: the zygote's is running)
+    ctx = helper_context()
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=report, args=(q,))
+    p.start()
+    seen = q.get()
+    p.join(30)
+    print(json.dumps({**seen, "server": forkserver._forkserver._forkserver_pid, "code": p.exitcode}), flush=True)
+"""
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_torch_zygotes_workers_share_its_helper_fork_server(tmp_path: Path) -> None:
+    """The zygote forks the helpers' fork server from itself (no new interpreter, no new torch
+    import) and every worker it forks starts its helpers there: a torch elastic round's new rank 0
+    starts its uploader without importing torch again (mp.fork_shared_fork_server)."""
+    (tmp_path / "zhelper_target.py").write_text(textwrap.dedent(HELPER_TARGET))
+    (tmp_path / "zhelper_user.py").write_text(textwrap.dedent(HELPER_USER))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    z = Zygote(["torch", "elasticyolo.mp"], env, WorkerEnv(), cwd=tmp_path)
+    try:
+        servers = set()
+        for _ in range(2):  # two workers, one after the other (two rounds)
+            child = z.fork("zhelper_user", [], child_env(env), tmp_path, timeout_s=120)
+            child.stdin.close()
+            seen = json.loads(child.stdout.readline())
+            assert child.wait(60) == 0 and seen["code"] == 0
+            assert seen["ppid"] == seen["server"] and seen["torch"]  # forked from the shared server
+            assert _ppid(seen["server"]) == z.proc.pid  # which the zygote forked, not the worker
+            servers.add(seen["server"])
+        assert len(servers) == 1
+        server = servers.pop()
+        z.close()  # the server holds no child or socket of the zygote's: the zygote still ends
+        wait_for(lambda: not z.alive, 30, "the zygote exits after its last child")
+        wait_for(lambda: not running(server), 30, "the helpers' fork server gone with it")
+    finally:
+        z.kill()

@@ -367,8 +367,29 @@ def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote
             os._exit(code)
 
 
+def _start_helper_server(sock: socket.socket) -> None:
+    """A worker zygote (it has imported torch) forks the fork server its workers' helpers (loader
+    processes, the checkpoint uploader) come from: one per node for all its workers (mp.py)."""
+    if "torch" not in sys.modules:
+        return
+    from elasticyolo.mp import fork_shared_fork_server
+
+    zygote = os.getpid()
+
+    def in_server() -> None:
+        from elasticyolo.engines.lifeline import die_with_parent
+
+        die_with_parent(zygote)
+        from setproctitle import setproctitle
+
+        setproctitle(f"{sys.executable} -m multiprocessing.forkserver (elasticyolo helpers of zygote {zygote})")
+
+    fork_shared_fork_server(close=(sock.fileno(),), in_server=in_server)
+
+
 def serve(sock: socket.socket) -> None:
     """Fork a child per request until the pool closes, then wait for the children to end."""
+    _start_helper_server(sock)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -397,6 +418,8 @@ def serve(sock: socket.socket) -> None:
                 break
             if pid == 0:
                 break
+            if pid not in children:
+                continue  # the helpers' fork server (_start_helper_server)
             children.discard(pid)
             reply({"exit": pid, "code": _exit_code(status)})
         if sock not in readable:
