@@ -113,21 +113,15 @@ def _adopt_inherited_fork_server() -> None:
     fs.ensure_running = types.MethodType(_ensure_inherited_running, fs)
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _ensure_inherited_running(fs: Any) -> None:
     from multiprocessing import resource_tracker
     from multiprocessing.forkserver import ForkServer
 
+    from elasticyolo.processes import running
+
     with fs._lock:
         resource_tracker.ensure_running()
-        if fs._forkserver_pid is not None and _running(fs._forkserver_pid):
+        if fs._forkserver_pid is not None and running(fs._forkserver_pid):
             return
         # Gone (with its zygote): forget it and start one of our own, as multiprocessing would.
         if fs._forkserver_alive_fd is not None:

@@ -1,13 +1,7 @@
-"""Process checks the tests share (psutil)."""
+"""Process checks the tests share: the product's own (elasticyolo/processes.py)."""
 
 from __future__ import annotations
 
-import psutil
+from elasticyolo.processes import running
 
-
-def running(pid: int) -> bool:
-    """`pid` exists and is not a zombie (an exited child its parent has not reaped yet)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+__all__ = ["running"]
