@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import sys
 import traceback
 import types
 from multiprocessing.context import BaseContext
@@ -60,8 +61,6 @@ def fork_shared_fork_server(close: Sequence[int] = (), in_server: Callable[[], N
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()  # every client holds the write end; all gone: the server exits
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
