@@ -20,7 +20,6 @@ import importlib
 import os
 import socket
 import sys
-import traceback
 import types
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Sequence
@@ -52,6 +51,8 @@ def fork_shared_fork_server(close: Sequence[int] = (), in_server: Callable[[], N
     lifeline). Returns the server's pid."""
     from multiprocessing import connection, forkserver
 
+    from elasticyolo.processes import fork_child
+
     helper_context()
     for module in PRELOAD:
         importlib.import_module(module)
@@ -61,25 +62,16 @@ def fork_shared_fork_server(close: Sequence[int] = (), in_server: Callable[[], N
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()  # every client holds the write end; all gone: the server exits
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            os.close(alive_w)
-            for fd in close:
-                os.close(fd)
-            if in_server is not None:
-                in_server()
-            forkserver.main(listener.fileno(), alive_r, [])
-        except SystemExit:
-            pass
-        except BaseException:  # noqa: BLE001 - never return into the forking process's code
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
+
+    def serve() -> None:
+        os.close(alive_w)
+        for fd in close:
+            os.close(fd)
+        if in_server is not None:
+            in_server()
+        forkserver.main(listener.fileno(), alive_r, [])
+
+    pid = fork_child(serve, clean_exits=(SystemExit,))  # forkserver.main ends in SystemExit
     listener.close()
     os.close(alive_r)
     fs: Any = forkserver._forkserver  # type: ignore[attr-defined]

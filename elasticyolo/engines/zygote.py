@@ -52,6 +52,7 @@ from typing import IO, Any, Mapping, Sequence
 from elasticyolo.engines.spawn import pump_output, spawn
 from elasticyolo.engines.worker_env import ENV_PARENT_PID, WorkerEnv
 from elasticyolo.log import get_logger
+from elasticyolo.processes import fork_child
 
 ENV_ZYGOTE = "ELASTICYOLO_ZYGOTE"  # "0": warm workers start as fresh processes
 # What every worker imports, engine-neutral; the engine adds its `worker_modules`.
@@ -154,28 +155,21 @@ class Zygote:
         _preload(modules)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         owner = os.getpid()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                from elasticyolo.engines.lifeline import die_with_parent
 
-                ours.close()
-                die_with_parent(owner)
-                os.setsid()  # a group of its own, as a spawned zygote: `kill` takes it down whole
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    signal.signal(sig, signal.SIG_DFL)
-                from setproctitle import setproctitle
+        def become_zygote() -> None:
+            from elasticyolo.engines.lifeline import die_with_parent
 
-                setproctitle(f"{sys.executable} -m elasticyolo.engines.zygote (forked from {owner})")
-                serve(theirs)
-                code = 0
-            except BaseException:  # noqa: BLE001 - never return into the owner's code
-                traceback.print_exc()
-            finally:
-                os._exit(code)  # not the owner's exit hooks
+            ours.close()
+            die_with_parent(owner)
+            os.setsid()  # a group of its own, as a spawned zygote: `kill` takes it down whole
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            from setproctitle import setproctitle
+
+            setproctitle(f"{sys.executable} -m elasticyolo.engines.zygote (forked from {owner})")
+            serve(theirs)
+
+        pid = fork_child(become_zygote)  # ends in os._exit: not the owner's exit hooks
         theirs.close()
         zygote = cls.__new__(cls)
         zygote._attach(_ForkedZygoteProcess(pid), ours, len(modules), {**log_fields, "forked_from": owner})
