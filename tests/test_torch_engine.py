@@ -139,7 +139,9 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     b = job.start("b")
     job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 120,
              "both ranks past step 4 at world 2")
-    first = job.events("resume")
+    # A may form a world of one before B registers (a loaded host: seen in a clean-clone run); the
+    # world of two that follows starts both ranks from the same parameters either way.
+    first = [e for e in job.events("resume") if e["world"] == 2]
     assert len(first) == 2 and first[0]["params_digest"] == first[1]["params_digest"], first
 
     # SIGKILL B's agent mid-epoch: its worker dies with it; A re-rendezvouses alone.
