@@ -2,11 +2,12 @@
 
 A commit, in this order:
 1. `EngineCommit.save()` - the engine makes the state its rollback point (Horovod:
-   `state.save()`; torch elastic restarts the world instead, so nothing);
+   `state.save()`); torch elastic restarts the world instead: there the ranks agree whether this
+   commit ends the round, before rank 0's checkpoint copy can hold them;
 2. the node-local snapshot (local rank 0; `train/snapshots.py`), at most every `period_s`;
 3. the store checkpoint when one is due (rank 0; `train/checkpointing.py`);
 4. `EngineCommit.check()` - the engine may now interrupt (Horovod raises a hosts-updated reset
-   here, after 1-3 hold exactly the committed state).
+   here, the torch worker exits if the ranks agreed to; 1-3 hold exactly the committed state).
 
 Every rank commits at the same steps (the loop's contract): rank 0 measures about
 `target_s` seconds of work per interval, unless the spec fixes `commit_every`, and broadcasts it.
@@ -27,6 +28,9 @@ class EngineCommit(Protocol):
     def save(self) -> None: ...
 
     def check(self) -> None: ...
+
+    # Optional: `commit_now() -> bool`, after a step: the world agreed to commit at this step
+    # outside the interval (the torch engine: a rank was asked to stop).
 
 
 class NoEngineCommit:
@@ -55,6 +59,10 @@ class CommitHooks:
         if self.checkpointer is not None:
             self.checkpointer.after_commit(self.core)
         self.engine.check()
+
+    def commit_now(self) -> bool:
+        wants = getattr(self.engine, "commit_now", None)
+        return bool(wants()) if wants is not None else False
 
     def gather(self, obj: Any) -> list[Any]:
         """All-gather for sharded validation (see `TrainCore.validate`)."""

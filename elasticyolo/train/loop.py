@@ -23,7 +23,9 @@ ProgressSink = Callable[[dict[str, Any]], None]
 
 class Hooks(Protocol):
     """What an engine provides. It may also provide `gather(obj) -> list` (an all-gather of a
-    Python object across the world) for sharded validation; without it one rank validates all."""
+    Python object across the world) for sharded validation, without which one rank validates
+    all; and `commit_now() -> bool`, asked after every step: the world agreed to commit at this
+    step as well (the same answer on every rank)."""
 
     def commit(self) -> None: ...
 
@@ -119,6 +121,7 @@ class TrainingLoop:
         self.trace.write("loader", rank=core.rank, world=core.world, workers=core.loader.workers,
                          ready=core.loader.ready)
         commit_every = max(self.hooks.commit_every(core), 0)
+        commit_now = getattr(self.hooks, "commit_now", None)
         while not core.finished:
             epoch, start = core.progress.epoch, core.sampler.state.consumed
 
@@ -164,7 +167,8 @@ class TrainingLoop:
                 "samples_per_s": self._throughput(result), "epoch_ended": epoch_ended, **(
                     {"metrics": self.last_metrics} if epoch_ended else {}),
             })
-            if epoch_ended or (commit_every and core.progress.step % commit_every == 0) or core.finished:
+            if (epoch_ended or (commit_every and core.progress.step % commit_every == 0) or core.finished
+                    or (commit_now is not None and commit_now())):
                 # Traced first: a Horovod commit saves locally, then may raise while checking
                 # for host updates; the saved state is what a rollback returns to.
                 self.trace.write("commit", rank=core.rank, step=core.progress.step, epoch=core.progress.epoch,

@@ -8,9 +8,10 @@ restarts the whole world on every membership change, so each start is a resume:
 2. the newest state in the world: every node's local snapshot and the checkpoint store's latest
    (`train/snapshots.py` `restore_newest`, over `TorchCollectives`);
 3. `core.set_world(world, rank)` applies the rescaling policy (LR ramp from the saved progress);
-4. train; a commit (`engines/commit.py`) = local snapshot (local rank 0 of every node, every
-   commit) + store checkpoint when due (rank 0) + the ranks agree whether one was asked to stop
-   (SIGTERM: the round ends at that commit, `stop_at_commit.py`). A failure restarts the world.
+4. train; a commit (`engines/commit.py`) = the ranks agree whether one was asked to stop
+   (SIGTERM: the round ends at that commit, `stop_at_commit.py`; a request also rides on the next
+   gradient all-reduce and makes that step a commit) + local snapshot (local rank 0 of every node,
+   every commit) + store checkpoint when due (rank 0). A failure restarts the world.
 
 Gradients: the core calls `grad_allreduce(grads)` once per optimizer step; we flatten them into
 one buffer and all-reduce it (sum / world = mean), which is DDP's math. Not the `DDP` wrapper
@@ -53,19 +54,23 @@ SNAPSHOT_PERIOD_S = 0.0  # every commit: the snapshot is how a restarted world r
 
 
 # ---- gradients -------------------------------------------------------------------------------
-def make_allreduce(world: int, fp16: bool = False) -> Callable[[list[torch.Tensor]], None]:
-    """Average gradients in place across the world with one all-reduce on a flat buffer."""
+def make_allreduce(world: int, fp16: bool = False,
+                   stop: StopAtCommit | None = None) -> Callable[[list[torch.Tensor]], None]:
+    """Average gradients in place across the world with one all-reduce on a flat buffer.
+    `stop`: its request flag rides in the same buffer (one element: no extra collective)."""
 
     def allreduce(grads: list[torch.Tensor]) -> None:
         if world == 1 or not grads:
             return
-        flat = _flatten_dense_tensors(grads)
+        flat = _flatten_dense_tensors(grads + ([stop.outgoing(grads[0])] if stop is not None else []))
         buf = flat.half() if fp16 and flat.is_cuda else flat
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)  # gloo has no AVG
         if buf is not flat:
             flat.copy_(buf)
+        if stop is not None:
+            stop.incoming(flat[-1:])
         flat.div_(world)
-        for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):  # (the flag, last, is left out)
             g.copy_(r)
 
     return allreduce
@@ -168,7 +173,8 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
                                period_s=env.snapshot_period(SNAPSHOT_PERIOD_S)) if snapshot_dir else None
     stop = None
     if snapshots is not None:
-        stop = StopAtCommit(core, torch_reduce(core.device), snapshots)
+        stop = StopAtCommit(core, torch_reduce(core.device), snapshots, world=world)
+        core.grad_allreduce = make_allreduce(world, spec.fp16_allreduce, stop)
         finish_snapshot_on_sigterm(snapshots, stop_at_commit=stop.request)
     checkpointer = Checkpointer(spec, job, rank, sinks=sinks if rank == 0 else None,
                                 store=prepared.store if prepared is not None else None)
