@@ -54,6 +54,49 @@ def test_a_process_on_a_node_accelerator_is_held_to_its_quota_and_pinned() -> No
     assert not slices.parent.exists()
 
 
+THREADS = """
+import hashlib, json, threading, time
+from elasticyolo.train import sim_accelerator
+
+def burn(out):  # hashing a large buffer releases the GIL: the threads burn side by side
+    t, data, h = time.thread_time(), bytes(1 << 20), hashlib.sha256()
+    end = time.time() + 2
+    while time.time() < end:
+        h.update(data)
+    out.append((time.thread_time() - t, open("/proc/thread-self/cgroup").read()))
+
+go, before, after = threading.Event(), [], []
+started_before = threading.Thread(target=lambda: (go.wait(), burn(before)))
+started_before.start()
+sim_accelerator.enter(helpers=False)
+started_after = threading.Thread(target=lambda: (go.wait(), burn(after)))  # inherits the accelerator...
+started_after.start()
+sim_accelerator.enter(helpers=False)  # ...until the next enter (Horovod: each reset trains anew)
+go.set()
+main = []
+burn(main)
+started_before.join()
+started_after.join()
+print(json.dumps([main[0], before[0], after[0]]))
+"""
+
+
+@needs_cgroups
+@pytest.mark.skipif(cgroup_root() is not None and cgroup_root()[1] != 1, reason="per-thread cgroups: v1 only")
+def test_only_the_training_thread_counts_against_the_quota() -> None:
+    """Horovod's background thread and the process group's threads run on a GPU node's host
+    cores: started before or after the worker entered its accelerator, they are not held to it."""
+    with CpuSlices(0.25) as slices:
+        out = subprocess.run([*slices.prefix("a"), sys.executable, "-c", THREADS], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        (main_s, main_cg), *others = json.loads(out.stdout.splitlines()[-1])
+        assert f"/{slices.parent.name}/a\n" in main_cg and 0.2 < main_s < 0.9, (main_s, main_cg)
+        for burned, cg in others:
+            assert f"/{slices.host_parent.name}/a\n" in cg and f"/{slices.parent.name}/" not in cg, cg
+            assert burned > 0.8, others  # of 2 s; held to the quota, the three would share 0.5 s
+
+
 LATE_HELPER = ("import json, os\nfrom multiprocessing import forkserver\nfrom elasticyolo.train import sim_accelerator\n"
                "from elasticyolo.mp import start_fork_server\nsim_accelerator.enter(helpers=False)\n"
                "start_fork_server()\npid = forkserver._forkserver._forkserver_pid\n"
