@@ -62,6 +62,8 @@ def test_timeline_collapses_bursts_and_compresses() -> None:
     assert [(s.t0, s.t1, s.nodes) for s in tl.segments()] == [(0, 10, 4), (10, 20, 3), (20, 30, 1), (30, 40, 2),
                                                               (40, 60, 3)]
     assert ideal_samples(tl, {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}) == 40 + 30 + 10 + 20 + 60
+    # Where 4 nodes trained slower than 3, the ideal with 4 available is 3's rate.
+    assert ideal_samples(tl, {1: 1.0, 2: 2.0, 3: 3.0, 4: 2.5}) == ideal_samples(tl, {1: 1.0, 2: 2.0, 3: 3.0, 4: 3.0})
 
 
 def test_scaling_to_zero_is_refused() -> None:
