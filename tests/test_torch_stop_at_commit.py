@@ -1,7 +1,7 @@
 """A torch-elastic round ends at a commit (`engines/torch/stop_at_commit.py`), stepped with fakes:
-SIGTERM asks, the ranks agree at the next commit (`save`, first in it), every rank stops there
-(`check`, last in it) with that commit's snapshot on disk; a rank that reaches no commit in time
-stops the old way."""
+SIGTERM asks, the ranks agree at the next commit (`agree`, before rank 0's checkpoint), every
+rank stops there (`check`, last in it) with that commit's snapshot on disk; a rank that reaches
+no commit in time stops the old way."""
 
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ def _stop(step: int = 7, submitted: int = 7, peers_asking: int = 0, wait_s: floa
 
 
 def _commit(stop: StopAtCommit, between: Any = None) -> None:
-    """A commit as `engines/commit.py` makes it: save, the snapshot and checkpoint, check."""
+    """A commit as `engines/commit.py` makes it: save, the snapshot, agree, the checkpoint, check."""
     stop.save()
+    stop.agree()
     if between is not None:
         between()
     stop.check()
@@ -245,3 +246,23 @@ def test_two_ranks_average_their_gradients_and_agree_on_the_commit_in_the_same_a
     for rank, grads, first, second in results:
         assert grads == [[[1.5, 1.5], [1.5, 1.5]], [15.0, 15.0, 15.0]], rank  # (1+2)/2 twice over
         assert first is False and second is True, rank
+
+
+def test_a_commit_snapshots_before_the_ranks_agree_and_checkpoints_after() -> None:
+    """`engines/commit.py`'s order: a peer dying in the agreement must not cost this node its
+    snapshot of the commit (seen: the survivor of a SIGKILLed node resumed two steps back), and
+    rank 0's checkpoint copy must not hold the peers at the agreement."""
+    from types import SimpleNamespace
+
+    from elasticyolo.engines.commit import CommitHooks
+
+    calls: list[str] = []
+    core = SimpleNamespace(spec=SimpleNamespace(commit_every=0), progress=SimpleNamespace(step=3))
+    engine = SimpleNamespace(save=lambda: calls.append("save"), agree=lambda: calls.append("agree"),
+                             check=lambda: calls.append("check"))
+    hooks = CommitHooks(core, None, target_s=1.0,  # type: ignore[arg-type]
+                        snapshots=SimpleNamespace(maybe_save=lambda c: calls.append("snapshot")),  # type: ignore[arg-type]
+                        checkpointer=SimpleNamespace(after_commit=lambda c: calls.append("checkpoint")),  # type: ignore[arg-type]
+                        engine=engine)  # type: ignore[arg-type]
+    hooks.commit()
+    assert calls == ["save", "snapshot", "agree", "checkpoint", "check"]

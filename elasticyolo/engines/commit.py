@@ -2,12 +2,15 @@
 
 A commit, in this order:
 1. `EngineCommit.save()` - the engine makes the state its rollback point (Horovod:
-   `state.save()`); torch elastic restarts the world instead: there the ranks agree whether this
-   commit ends the round, before rank 0's checkpoint copy can hold them;
+   `state.save()`; torch elastic restarts the world instead, so nothing);
 2. the node-local snapshot (local rank 0; `train/snapshots.py`), at most every `period_s`;
-3. the store checkpoint when one is due (rank 0; `train/checkpointing.py`);
-4. `EngineCommit.check()` - the engine may now interrupt (Horovod raises a hosts-updated reset
-   here, the torch worker exits if the ranks agreed to; 1-3 hold exactly the committed state).
+3. `EngineCommit.agree()` - a collective the engine needs before rank 0's checkpoint copy can
+   hold its peers (torch: whether this commit ends the round); after the snapshot, so that a peer
+   dying in it costs no node its snapshot of this commit;
+4. the store checkpoint when one is due (rank 0; `train/checkpointing.py`);
+5. `EngineCommit.check()` - the engine may now interrupt (Horovod raises a hosts-updated reset
+   here, the torch worker exits if the ranks agreed to; 1, 2 and 4 hold exactly the committed
+   state).
 
 Every rank commits at the same steps (the loop's contract): rank 0 measures about
 `target_s` seconds of work per interval, unless the spec fixes `commit_every`, and broadcasts it.
@@ -27,6 +30,8 @@ from elasticyolo.train.snapshots import LocalSnapshots
 class EngineCommit(Protocol):
     def save(self) -> None: ...
 
+    def agree(self) -> None: ...
+
     def check(self) -> None: ...
 
     # Optional: `commit_now() -> bool`, after a step: the world agreed to commit at this step
@@ -35,6 +40,9 @@ class EngineCommit(Protocol):
 
 class NoEngineCommit:
     def save(self) -> None:
+        return None
+
+    def agree(self) -> None:
         return None
 
     def check(self) -> None:
@@ -56,6 +64,7 @@ class CommitHooks:
         self.engine.save()
         if self.snapshots is not None:
             self.snapshots.maybe_save(self.core)
+        self.engine.agree()
         if self.checkpointer is not None:
             self.checkpointer.after_commit(self.core)
         self.engine.check()

@@ -217,6 +217,9 @@ class HorovodCommit:
         store_core_into_state(self.core, self.state)
         self.state.save()
 
+    def agree(self) -> None:
+        return None  # Horovod's check broadcasts its verdict itself
+
     def check(self) -> None:
         self.state.check_host_updates()
 

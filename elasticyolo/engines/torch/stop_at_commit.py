@@ -14,11 +14,13 @@ waited 0-2.2 s (seen in a replay) for the running world to reach one. At every c
 all-reduce the request again (one integer); if any rank asked, every rank stops right there, once
 the commit's snapshot is on disk:
 the next round resumes from exactly the step this one ended at, and the running world lost nothing
-but the time to re-form. The ranks agree first in the commit (`save`), the stop comes last
-(`check`, after the snapshot and rank 0's checkpoint): agreeing after rank 0's checkpoint copy
+but the time to re-form. The ranks agree after the commit's snapshot and before rank 0's
+checkpoint (`agree`), the stop comes last (`check`): agreeing after rank 0's checkpoint copy
 held every peer at the all-reduce for that copy (0.3-0.5 s on a replay node), and a node leaving
 on a spot notice is SIGKILLed about 1 s after it (its drain's deadline): in a replay the leaving
-rank died waiting there, and the survivors saw the stop as a crash 1.3 s later. A rank that does not reach
+rank died waiting there, and the survivors saw the stop as a crash 1.3 s later. Agreeing before
+the snapshot lost it when a peer died in that all-reduce (a SIGKILLed node in a clean-clone run:
+the survivor resumed two steps back). A rank that does not reach
 a commit within `wait_s` of its SIGTERM (a peer died and the collective hangs, a long step), or
 whose ranks' answer fails, stops the way it always did: the snapshot in flight finished, then at once
 (`train/snapshots.finish_snapshot_on_sigterm`).
@@ -62,7 +64,7 @@ EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: a peer is leaving this round; restart it
 
 class StopAtCommit:
     """The torch worker's `EngineCommit` (engines/commit.py): `request()` from the SIGTERM
-    watcher, `save()` then `check()` at every commit on every rank. `reduce(flag) -> sum over ranks`."""
+    watcher, `agree()` then `check()` at every commit on every rank. `reduce(flag) -> sum over ranks`."""
 
     def __init__(self, core: "TrainCore", reduce: Any, snapshots: "LocalSnapshots",
                  wait_s: float = STOP_WAIT_S, exit: Any = os._exit, world: int = 1) -> None:
@@ -119,7 +121,11 @@ class StopAtCommit:
         return self._agreed or (self.world == 1 and self.requested.is_set())
 
     def save(self) -> None:
-        """First in a commit (`engines/commit.py`): the ranks agree whether it ends the round."""
+        return None
+
+    def agree(self) -> None:
+        """In a commit after the local snapshot, before rank 0's checkpoint copy
+        (`engines/commit.py`): the ranks agree whether it ends the round."""
         asked = self.requested.is_set()
         self.at_commit.set()
         try:
