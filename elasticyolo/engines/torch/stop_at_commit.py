@@ -12,16 +12,15 @@ more element: `outgoing`/`incoming`), so the step after it the world knows and c
 (`commit_now`), not at its next regular commit: those come every ~2 s of work, and a joining node
 waited 0-2.2 s (seen in a replay) for the running world to reach one. At every commit the ranks
 all-reduce the request again (one integer); if any rank asked, every rank stops right there, once
-the commit's snapshot is on disk:
-the next round resumes from exactly the step this one ended at, and the running world lost nothing
-but the time to re-form. The ranks agree after the commit's snapshot and before rank 0's
-checkpoint (`agree`), the stop comes last (`check`): agreeing after rank 0's checkpoint copy
-held every peer at the all-reduce for that copy (0.3-0.5 s on a replay node), and a node leaving
-on a spot notice is SIGKILLed about 1 s after it (its drain's deadline): in a replay the leaving
-rank died waiting there, and the survivors saw the stop as a crash 1.3 s later. Agreeing before
-the snapshot lost it when a peer died in that all-reduce (a SIGKILLed node in a clean-clone run:
-the survivor resumed two steps back). A rank that does not reach
-a commit within `wait_s` of its SIGTERM (a peer died and the collective hangs, a long step), or
+the commit's snapshot is on disk: the next round resumes from exactly the step this one ended at,
+and the running world lost nothing but the time to re-form. The ranks agree after the commit's
+snapshot and before rank 0's checkpoint (`agree`), the stop comes last (`check`): agreeing after
+rank 0's checkpoint copy held every peer at the all-reduce for that copy (0.3-0.5 s on a replay
+node), and a node leaving on a spot notice is SIGKILLed about 1 s after it (its drain's deadline):
+in a replay the leaving rank died waiting there, and the survivors saw the stop as a crash 1.3 s
+later. Agreeing before the snapshot lost it when a peer died in that all-reduce (a SIGKILLed node
+in a clean-clone run: the survivor resumed two steps back). A rank that does not reach a commit
+within `wait_s` of its SIGTERM (a peer died and the collective hangs, a long step), or
 whose ranks' answer fails, stops the way it always did: the snapshot in flight finished, then at once
 (`train/snapshots.finish_snapshot_on_sigterm`).
 

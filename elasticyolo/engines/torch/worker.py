@@ -8,10 +8,10 @@ restarts the whole world on every membership change, so each start is a resume:
 2. the newest state in the world: every node's local snapshot and the checkpoint store's latest
    (`train/snapshots.py` `restore_newest`, over `TorchCollectives`);
 3. `core.set_world(world, rank)` applies the rescaling policy (LR ramp from the saved progress);
-4. train; a commit (`engines/commit.py`) = the ranks agree whether one was asked to stop
-   (SIGTERM: the round ends at that commit, `stop_at_commit.py`; a request also rides on the next
-   gradient all-reduce and makes that step a commit) + local snapshot (local rank 0 of every node,
-   every commit) + store checkpoint when due (rank 0). A failure restarts the world.
+4. train; a commit (`engines/commit.py`) = local snapshot (local rank 0 of every node, every
+   commit) + the ranks agree whether one was asked to stop (SIGTERM: the round ends at that
+   commit, `stop_at_commit.py`; a request also rides on the next gradient all-reduce and makes
+   that step a commit) + store checkpoint when due (rank 0). A failure restarts the world.
 
 Gradients: the core calls `grad_allreduce(grads)` once per optimizer step; we flatten them into
 one buffer and all-reduce it (sum / world = mean), which is DDP's math. Not the `DDP` wrapper
