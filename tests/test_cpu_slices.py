@@ -97,6 +97,45 @@ def test_only_the_training_thread_counts_against_the_quota() -> None:
             assert burned > 0.8, others  # of 2 s; held to the quota, the three would share 0.5 s
 
 
+GLOO = """
+import json, os, socket
+import torch, torch.distributed as dist
+from elasticyolo.train import sim_accelerator
+
+torch.set_num_threads(1)  # as the replay's workers: the training thread alone computes
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+sim_accelerator.enter(helpers=False)
+x = torch.ones(1 << 16); dist.all_reduce(x)
+out = {}
+for tid in os.listdir("/proc/self/task"):
+    name = open(f"/proc/self/task/{tid}/comm").read().strip()
+    out.setdefault(name, []).append(open(f"/proc/self/task/{tid}/cgroup").read())
+print(json.dumps(out))
+"""
+
+
+@needs_cgroups
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(cgroup_root() is not None and cgroup_root()[1] != 1, reason="per-thread cgroups: v1 only")
+def test_the_process_groups_threads_run_on_the_interconnect() -> None:
+    """A GPU world all-reduces over NCCL and the network, which no node's host work slows: torch's
+    gloo threads go to the cluster's interconnect (no quota, the accelerators' weight), the
+    training thread to its accelerator, the rest (the TCPStore's loop) to the host."""
+    with CpuSlices(0.5) as slices:
+        out = subprocess.run([*slices.prefix("a"), sys.executable, "-c", GLOO], capture_output=True,
+                             text=True, timeout=100)
+        assert out.returncode == 0, out.stderr[-2000:]
+        threads = json.loads(out.stdout.splitlines()[-1])
+        links = f"/{slices.interconnect.name}\n"
+        gloo = [cg for name in ("pt_gloo_runloop", "gloo_tcp_loop") for cg in threads.get(name, [])]
+        assert gloo and all(links in cg for cg in gloo), threads
+        assert all(f"/{slices.host_parent.name}/a\n" in cg for cg in threads["pt_tcpstore_uv"]), threads
+        assert any(f"/{slices.parent.name}/a\n" in cg for cg in threads["python"]), threads
+        assert (slices.interconnect / "cpu.cfs_quota_us").read_text().strip() == "-1"
+    assert not slices.interconnect.exists()
+
+
 LATE_HELPER = ("import json, os\nfrom multiprocessing import forkserver\nfrom elasticyolo.train import sim_accelerator\n"
                "from elasticyolo.mp import start_fork_server\nsim_accelerator.enter(helpers=False)\n"
                "start_fork_server()\npid = forkserver._forkserver._forkserver_pid\n"

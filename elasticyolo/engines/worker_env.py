@@ -42,6 +42,9 @@ ENV_PREWARM_DELAY_S = "ELASTICYOLO_PREWARM_DELAY_S"
 # A node simulated on CPUs (testing/cpu_slices.py, inherited): the `cgroup.procs` files
 # (os.pathsep-separated) a worker moves itself to when it starts training (train/sim_accelerator.py).
 ENV_SIM_ACCELERATOR = "ELASTICYOLO_SIM_ACCELERATOR"
+# ...and the `cgroup.procs` file of the cluster's simulated interconnect, where the process group's
+# communication threads go (cgroup v1 only).
+ENV_SIM_INTERCONNECT = "ELASTICYOLO_SIM_INTERCONNECT"
 
 DEFAULT_WORK_ROOT = "/var/tmp/elasticyolo"  # survives reboots, unlike a tmpfs /tmp
 

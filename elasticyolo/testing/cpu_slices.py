@@ -22,6 +22,16 @@ outweighed etcd and the S3 server when the baseline restarted four nodes at once
 expired, the leader fell, and that restart took 207 s to its first step. So the servers the
 cluster shares (etcd, the S3 server, the metadata servers: the cloud, not a node) get a cgroup of
 their own (`serve_here`) weighed above every host: they are light but latency-bound.
+
+A GPU world all-reduces over NCCL and the network, which no node's host work slows. Here torch's
+gloo process group reduces and sends on its own threads, which stood on the hosts: measured in a
+torch replay (stop 38, hours 4.25-5.25, K=4), a world of 4 trained at 86.1 samples/s while nothing
+ran beside it and at 57.1 while the nodes rebuilt their standbys, and worlds of 2 and 3 at 49.1
+and 64.4 against 60.4 and 74.7 while a joining node, another machine, imported torch. So the
+cluster gets an *interconnect*: one cgroup, no quota, any core, weighed as the accelerators, where
+a worker moves the process group's communication threads (`train/sim_accelerator.py`; cgroup v1,
+which places threads). With it, the next run: 84.2 against 87.0 beside the rebuilds, 52.0 and 71.6
+against 58.9 and 74.5 beside a joiner's imports.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import time
 import uuid
 from pathlib import Path
 
-from elasticyolo.engines.worker_env import ENV_SIM_ACCELERATOR
+from elasticyolo.engines.worker_env import ENV_SIM_ACCELERATOR, ENV_SIM_INTERCONNECT
 
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V1_CPUSET = Path("/sys/fs/cgroup/cpuset")
@@ -87,7 +97,8 @@ class CpuSlices:
     `prefix(node)` is a command prefix that moves the started process (an agent) into the node's
     host cgroup before it execs (its children, the node's workers, inherit it) and tells it where
     the accelerator is (`train/sim_accelerator.py`): a worker moves itself there when it starts
-    training. `parent` holds the accelerators, `host_parent` the hosts."""
+    training. `parent` holds the accelerators, `host_parent` the hosts, `interconnect` (one for the
+    cluster, no quota, the accelerators' weight) the workers' communication threads."""
 
     ACCEL_WEIGHT = {1: 262144, 2: 10000}  # cpu.shares (v1, max) / cpu.weight (v2, max)
     PROCESS_WEIGHT = {1: 1024, 2: 100}  # an ordinary process's (v1 shares, v2 weight)
@@ -104,14 +115,17 @@ class CpuSlices:
         self.parent = self.root / name
         self.host_parent = self.root / f"{name}-host"
         self.servers = self.root / f"{name}-servers"
+        self.interconnect = self.root / f"{name}-interconnect"
         self.parent.mkdir()
         self.host_parent.mkdir()
         self.servers.mkdir()
+        self.interconnect.mkdir()
         self.served: list[Path] = []  # where serve_here found this process
         process = self.PROCESS_WEIGHT[self.version]
         for group, weight in ((self.parent, self.ACCEL_WEIGHT[self.version]),
                               (self.host_parent, process * max(1, nodes)),
-                              (self.servers, process * self.SERVERS_PROCESSES)):
+                              (self.servers, process * self.SERVERS_PROCESSES),
+                              (self.interconnect, self.ACCEL_WEIGHT[self.version])):
             (group / ("cpu.shares" if self.version == 1 else "cpu.weight")).write_text(str(weight))
         # cgroup v1 keeps cpuset in a hierarchy of its own; v2 has it beside cpu.
         self.pin_root: Path | None = None
@@ -183,7 +197,10 @@ class CpuSlices:
     def prefix(self, node: str) -> list[str]:
         accel = os.pathsep.join(str(p) for p in self.accelerator(node))
         host = self._host(node) / "cgroup.procs"
-        return ["sh", "-c", f'echo $$ > {host} && export {ENV_SIM_ACCELERATOR}={accel} && exec "$@"', "sh"]
+        # Threads are placed one by one in cgroup v1 only (`sim_accelerator.enter`).
+        interconnect = f" {ENV_SIM_INTERCONNECT}={self.interconnect / 'cgroup.procs'}" if self.version == 1 else ""
+        return ["sh", "-c", f'echo $$ > {host} && export {ENV_SIM_ACCELERATOR}={accel}{interconnect} && exec "$@"',
+                "sh"]
 
     def _own_group(self) -> Path:
         """This process's cgroup in the CPU hierarchy."""
@@ -233,7 +250,7 @@ class CpuSlices:
         if self.served:  # back where it was; the servers themselves were stopped by their owners
             (self.served[0] / "cgroup.procs").write_text(str(os.getpid()))
         self.served.clear()
-        tops = [self.parent, self.host_parent, self.servers] + (
+        tops = [self.parent, self.host_parent, self.servers, self.interconnect] + (
             [self.pin_root] if self.pin_root not in (None, self.parent) else [])
         for path in [*groups, *tops]:
             for _ in range(50):

@@ -19,6 +19,12 @@ quota, a Horovod world of 3 trained either at 0.79 s or at 1.35-1.40 s per step,
 world's start (calibrations and replays alike, stop 37). Otherwise (cgroup v2, several intra-op
 threads) the whole process moves.
 
+Except torch's gloo process group's threads (`INTERCONNECT_THREADS`): they go to the cluster's
+simulated interconnect when there is one (`ELASTICYOLO_SIM_INTERCONNECT`), since a GPU world's
+all-reduce is NCCL's and the network's, which no host work slows (testing/cpu_slices.py has the
+figures). Horovod's bundled gloo names no thread: its background thread, which also reduces, stays
+on the host.
+
 Unset (every real deployment) nothing happens.
 """
 
@@ -28,11 +34,14 @@ import os
 import sys
 import threading
 
-from elasticyolo.engines.worker_env import ENV_SIM_ACCELERATOR
+from elasticyolo.engines.worker_env import ENV_SIM_ACCELERATOR, ENV_SIM_INTERCONNECT
 from elasticyolo.log import get_logger
 
 log = get_logger("elasticyolo.sim_accelerator")
 
+
+# torch's ProcessGroupGloo: its workers, which run every collective, and its TCP transport's loop.
+INTERCONNECT_THREADS = frozenset({"pt_gloo_runloop", "gloo_tcp_loop"})
 
 _host_procs: list[str] = []  # this process's own cgroups before `enter`: the node's host side
 _host_cpus: set[int] = set()  # and the CPUs it could run on then
@@ -67,16 +76,25 @@ def enter(helpers: bool) -> None:
     if thread_only:
         # Every other thread to the host: those started before (the first time) and those the
         # training thread started since, inheriting its cgroup (Horovod's new background thread
-        # after each reset, the snapshot writer).
+        # after each reset, the snapshot writer); the process group's to the interconnect.
         me = threading.get_native_id()
+        interconnect = os.environ.get(ENV_SIM_INTERCONNECT, "")
         for tid in (int(t) for t in os.listdir("/proc/self/task") if int(t) != me):
             try:
-                for path in _host_procs:
+                for path in _host_procs:  # the unpinned cpuset too, for an interconnect thread
                     with open(_tasks(path), "w") as f:
+                        f.write(str(tid))
+                if interconnect and _thread_name(tid) in INTERCONNECT_THREADS:
+                    with open(_tasks(interconnect), "w") as f:
                         f.write(str(tid))
                 os.sched_setaffinity(tid, _host_cpus)  # one started on the pinned core keeps it otherwise
             except OSError:  # the thread ended meanwhile
                 continue
+
+
+def _thread_name(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
 
 
 def _tasks(procs: str) -> str:
