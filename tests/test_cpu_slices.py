@@ -18,6 +18,7 @@ from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.testing.agent_cluster import AgentCluster
 from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node, host_cpus
 from elasticyolo.testing.wait import wait_for
+from elasticyolo.train.sim_accelerator import INTERCONNECT_THREADS
 
 needs_cgroups = pytest.mark.skipif(cgroup_root() is None, reason="no writable cgroup CPU controller")
 BURN = ("import json, time\nfrom elasticyolo.train import sim_accelerator\nsim_accelerator.enter(helpers=False)\n"
@@ -127,9 +128,9 @@ def test_the_process_groups_threads_run_on_the_interconnect() -> None:
                              text=True, timeout=100)
         assert out.returncode == 0, out.stderr[-2000:]
         threads = json.loads(out.stdout.splitlines()[-1])
-        links = f"/{slices.interconnect.name}\n"
-        gloo = [cg for name in ("pt_gloo_runloop", "gloo_tcp_loop") for cg in threads.get(name, [])]
-        assert gloo and all(links in cg for cg in gloo), threads
+        interconnect = f"/{slices.interconnect.name}\n"
+        gloo = [cg for name in INTERCONNECT_THREADS for cg in threads.get(name, [])]
+        assert gloo and all(interconnect in cg for cg in gloo), threads
         assert all(f"/{slices.host_parent.name}/a\n" in cg for cg in threads["pt_tcpstore_uv"]), threads
         assert any(f"/{slices.parent.name}/a\n" in cg for cg in threads["python"]), threads
         assert (slices.interconnect / "cpu.cfs_quota_us").read_text().strip() == "-1"
