@@ -18,7 +18,7 @@ from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.testing.agent_cluster import AgentCluster
 from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node, host_cpus
 from elasticyolo.testing.wait import wait_for
-from elasticyolo.train.sim_accelerator import INTERCONNECT_THREADS
+from elasticyolo.train.sim_accelerator import HOROVOD_THREAD, INTERCONNECT_THREADS
 
 needs_cgroups = pytest.mark.skipif(cgroup_root() is None, reason="no writable cgroup CPU controller")
 BURN = ("import json, time\nfrom elasticyolo.train import sim_accelerator\nsim_accelerator.enter(helpers=False)\n"
@@ -135,6 +135,42 @@ def test_the_process_groups_threads_run_on_the_interconnect() -> None:
         assert any(f"/{slices.parent.name}/a\n" in cg for cg in threads["python"]), threads
         assert (slices.interconnect / "cpu.cfs_quota_us").read_text().strip() == "-1"
     assert not slices.interconnect.exists()
+
+
+HOROVOD = """
+import json, os
+import torch
+import horovod.torch as hvd
+from elasticyolo.engines.horovod.worker import init_horovod
+from elasticyolo.train import sim_accelerator
+
+torch.set_num_threads(1)
+init_horovod()
+sim_accelerator.enter(helpers=False)
+hvd.allreduce(torch.ones(1 << 16), name="x")
+out = {}
+for tid in os.listdir("/proc/self/task"):
+    name = open(f"/proc/self/task/{tid}/comm").read().strip()
+    out.setdefault(name, []).append(open(f"/proc/self/task/{tid}/cgroup").read())
+print(json.dumps(out))
+"""
+
+
+@needs_cgroups
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(cgroup_root() is not None and cgroup_root()[1] != 1, reason="per-thread cgroups: v1 only")
+def test_horovods_threads_run_on_the_interconnect() -> None:
+    """Horovod's background loop runs every collective (and its gloo transport sends them): the
+    threads `hvd.init()` starts are named `HOROVOD_THREAD` and go to the interconnect too."""
+    with CpuSlices(0.5) as slices:
+        out = subprocess.run([*slices.prefix("a"), sys.executable, "-c", HOROVOD], capture_output=True,
+                             text=True, timeout=100)
+        assert out.returncode == 0, out.stderr[-2000:]
+        threads = json.loads(out.stdout.splitlines()[-1])
+        assert HOROVOD_THREAD in INTERCONNECT_THREADS
+        assert threads.get(HOROVOD_THREAD) and all(f"/{slices.interconnect.name}\n" in cg
+                                                   for cg in threads[HOROVOD_THREAD]), threads
+        assert any(f"/{slices.parent.name}/a\n" in cg for cg in threads["python"]), threads
 
 
 LATE_HELPER = ("import json, os\nfrom multiprocessing import forkserver\nfrom elasticyolo.train import sim_accelerator\n"

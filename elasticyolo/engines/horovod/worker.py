@@ -39,6 +39,7 @@ from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics, share
 from elasticyolo.train.digest import optimizer_state_digest, params_digest
 from elasticyolo.train.layout import default_layout
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
+from elasticyolo.train.sim_accelerator import HOROVOD_THREAD, name_threads_started
 from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
 
 SNAPSHOT_PERIOD_S = 10.0  # node-local snapshots (for a leader loss) at most this often
@@ -265,6 +266,13 @@ def prepare_worker(spec: TrainSpec, core: TrainCore | None = None, local_rank: i
     return PreparedWorker(core, state, open_checked_store(spec, write=True))
 
 
+def init_horovod() -> None:
+    """`hvd.init()`, its threads (the background loop, gloo's transport) named, so that a simulated
+    node runs them on the cluster's interconnect (`train/sim_accelerator.py`)."""
+    with name_threads_started(HOROVOD_THREAD):
+        hvd.init()
+
+
 def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepared: PreparedWorker | None = None,
                progress: EtcdProgress | None = None, commit_target_s: float = 1.0) -> Summary | None:
     """`prepared`: by a pre-warmed worker (prewarm.py), else built here, before `hvd.init()`.
@@ -275,7 +283,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepare
     if prepared is None:
         prepared = prepare_worker(spec, local_rank=int(os.environ.get("HOROVOD_LOCAL_RANK") or 0))
     core, state = prepared.core, prepared.state
-    hvd.init()
+    init_horovod()
     compression = hvd.Compression.fp16 if spec.fp16_allreduce else hvd.Compression.none
 
     def allreduce(grads: list[torch.Tensor]) -> None:
@@ -340,7 +348,7 @@ def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepare
         # `on_reset`: an abort meant for the world it left must not cut its rendezvous (abort.py).
         state.aborter.left()
         hvd.shutdown()
-        hvd.init()
+        init_horovod()
 
     @partial(run_fn, reset=reset_world)
     def train(state: AlwaysSyncTorchState) -> Summary:
