@@ -31,7 +31,8 @@ and 64.4 against 60.4 and 74.7 while a joining node, another machine, imported t
 cluster gets an *interconnect*: one cgroup, no quota, any core, weighed as the accelerators, where
 a worker moves the process group's communication threads (`train/sim_accelerator.py`; cgroup v1,
 which places threads). With it, the next run: 84.2 against 87.0 beside the rebuilds, 52.0 and 71.6
-against 58.9 and 74.5 beside a joiner's imports.
+against 58.9 and 74.5 beside a joiner's imports. Horovod's threads go there too (named by the worker
+as `hvd.init()` starts them); they burn 0.21 CPU per node wherever they run (stop 39).
 """
 
 from __future__ import annotations
