@@ -211,6 +211,9 @@ def test_a_later_world_that_restores_the_same_step_at_the_same_size_is_another_r
     ev = world(0.0, 100) + world(30.0, 200)
     kept = committed_records(ev)
     assert sorted((e["pid"], e["step"]) for e in kept) == [(200, 5), (200, 6), (201, 5), (201, 6)]
+    # After one step only (no record of step 6 tells the worlds apart), rank 0 resuming again does.
+    one = [e for e in world(0.0, 100) if e.get("step") != 6] + world(30.0, 200)
+    assert sorted((e["pid"], e["step"]) for e in committed_records(one)) == [(200, 5), (200, 6), (201, 5), (201, 6)]
     # One round whose second rank resumed 8 s late (starved), after its fast peer recorded step 5:
     # time apart does not split a round, so nothing of it is lost.
     late = world(0.0, 300)
@@ -292,11 +295,11 @@ def test_stretch_rates_skip_the_steps_after_a_change() -> None:
 def test_a_fast_ranks_first_step_is_not_rolled_back_by_a_slow_peers_resume() -> None:
     # World 3 resumes at step 37; rank 0 records step 38 (before the all-reduce) ahead of rank 2's
     # resume of the same round. A later failure that restores step 38 at world 2 keeps step 38.
-    resume = lambda t, step, world, pid: {"ev": "resume", "t": t, "step": step, "rank": 0, "world": world,  # noqa: E731
-                                          "pid": pid}
+    resume = lambda t, step, world, pid, rank=0: {"ev": "resume", "t": t, "step": step, "rank": rank,  # noqa: E731
+                                                  "world": world, "pid": pid}
     s = lambda t, step, world, pid: {**_step(t, step, 0, world, [step]), "pid": pid}  # noqa: E731
-    ev = [s(1.0, 37, 2, 10), resume(2.0, 37, 3, 10), s(2.1, 38, 3, 10), resume(2.2, 37, 3, 30), s(2.3, 38, 3, 30),
-          s(3.0, 39, 3, 10), resume(4.0, 38, 2, 10), s(4.5, 39, 2, 10)]
+    ev = [s(1.0, 37, 2, 10), resume(2.0, 37, 3, 10), s(2.1, 38, 3, 10), resume(2.2, 37, 3, 30, rank=2),
+          s(2.3, 38, 3, 30), s(3.0, 39, 3, 10), resume(4.0, 38, 2, 10), s(4.5, 39, 2, 10)]
     kept = [(e["t"], e["step"]) for e in committed_records(ev)]
     assert kept == [(1.0, 37), (2.1, 38), (2.3, 38), (4.5, 39)]  # 39 at world 3 was rolled back
 
@@ -312,10 +315,10 @@ def test_calibration_spans_hold_whole_checkpoint_intervals() -> None:
 def test_a_record_written_after_a_newer_round_began_is_stale() -> None:
     # World 2 (pids 10, 20) resumed at step 3. Pid 20 froze mid-step 4; pid 10's world-1 round
     # resumed at step 3 and redid step 4. Pid 20, thawed, recorded its step 4 after that: stale.
-    resume = lambda t, step, world, pid: {"ev": "resume", "t": t, "step": step, "rank": 0, "world": world,  # noqa: E731
-                                          "pid": pid}
+    resume = lambda t, step, world, pid, rank=0: {"ev": "resume", "t": t, "step": step, "rank": rank,  # noqa: E731
+                                                  "world": world, "pid": pid}
     s = lambda t, step, world, pid: {**_step(t, step, 0, world, [step]), "pid": pid}  # noqa: E731
-    ev = [resume(1.0, 3, 2, 10), resume(1.1, 3, 2, 20), s(2.0, 4, 2, 10),
+    ev = [resume(1.0, 3, 2, 10), resume(1.1, 3, 2, 20, rank=1), s(2.0, 4, 2, 10),
           resume(8.0, 3, 1, 11), s(9.0, 4, 1, 11), s(9.2, 4, 2, 20), s(10.0, 5, 1, 11)]
     kept = [(e["t"], e["step"], e["world"]) for e in committed_records(ev)]
     assert kept == [(9.0, 4, 1), (10.0, 5, 1)]  # pid 10's step 4 was rolled back, pid 20's is stale

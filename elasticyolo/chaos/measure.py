@@ -42,24 +42,31 @@ def committed_records(events: Sequence[Event], until: float = float("inf")) -> l
     world had redone it). Resumes after `until` (the runner's shutdown) do not count.
 
     A round is its resumes' (step, world) and a count of earlier rounds with that pair: a resume
-    at (s, w) after a step record at world w of step s + 2 or later, written since the last resume
-    at (s, w), begins another round, since no rank of one round records s + 2 before all its
-    peers resumed (step s + 1's all-reduce needs them). Seen: a checkpoint-restart world of 3 that
-    trained 2 steps and checkpointed neither, replaced by a world of 3 that restored the same
-    checkpoint; as one round, both executions of those steps counted: 48 duplicates. (Time apart
-    would not tell: a frozen or starved rank can resume seconds after its peers.)"""
+    at (s, w) begins another round after a step record at world w of step s + 2 or later, written
+    since the last resume at (s, w), since no rank of one round records s + 2 before all its
+    peers resumed (step s + 1's all-reduce needs them); and when its rank has already resumed in
+    the latest round at (s, w), since a round resumes each rank once. Seen: a checkpoint-restart
+    world of 3 that trained 2 steps and checkpointed neither, replaced by a world of 3 that
+    restored the same checkpoint; as one round, both executions of those steps counted: 48
+    duplicates. After one step only, the rank rule alone tells them apart (the baseline's 48 and
+    96 duplicates, stop 38). (Time apart would not tell: a frozen or starved rank can resume
+    seconds after its peers.)"""
     Round = tuple[int, Any, int]  # (step resumed at, world size, earlier rounds with both)
     records = sorted((e["t"], e["step"], e.get("world")) for e in events if e.get("ev") == "step")
     record_times = [t for t, _, _ in records]
     resumes: list[tuple[float, Round]] = []
     round_of: dict[int, Round] = {}  # id(resume event) -> its round
     latest: dict[tuple[int, Any], tuple[float, int]] = {}  # (step, world) -> (last resume time, count)
+    resumed: dict[tuple[int, Any], set[Any]] = defaultdict(set)  # (step, world) -> ranks in its latest round
     for e in sorted((e for e in events if e.get("ev") == "resume" and e["t"] <= until), key=lambda e: e["t"]):
-        pair = (e["step"], e.get("world"))
+        pair, rank = (e["step"], e.get("world")), e.get("rank")
         last_t, k = latest.get(pair, (float("-inf"), -1))
         lo, hi = bisect.bisect_right(record_times, last_t), bisect.bisect_left(record_times, e["t"])
-        if k < 0 or any(w == pair[1] and step >= pair[0] + 2 for _, step, w in records[lo:hi]):
+        if (k < 0 or (rank is not None and rank in resumed[pair])
+                or any(w == pair[1] and step >= pair[0] + 2 for _, step, w in records[lo:hi])):
             k += 1
+            resumed[pair] = set()
+        resumed[pair].add(rank)
         latest[pair] = (e["t"], k)
         round_of[id(e)] = (*pair, k)
         resumes.append((e["t"], round_of[id(e)]))
