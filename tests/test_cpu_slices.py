@@ -98,6 +98,24 @@ def test_only_the_training_thread_counts_against_the_quota() -> None:
             assert burned > 0.8, others  # of 2 s; held to the quota, the three would share 0.5 s
 
 
+# Appended to a script run in a slice: every thread's cgroups, by thread name.
+THREAD_CGROUPS = """
+out = {}
+for tid in os.listdir("/proc/self/task"):
+    name = open(f"/proc/self/task/{tid}/comm").read().strip()
+    out.setdefault(name, []).append(open(f"/proc/self/task/{tid}/cgroup").read())
+print(json.dumps(out))
+"""
+
+
+def thread_cgroups(slices: CpuSlices, script: str) -> dict[str, list[str]]:
+    """Run `script` as node "a" of `slices`; its threads' cgroups by name."""
+    out = subprocess.run([*slices.prefix("a"), sys.executable, "-c", script + THREAD_CGROUPS], capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 GLOO = """
 import json, os, socket
 import torch, torch.distributed as dist
@@ -108,11 +126,6 @@ s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.clos
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 sim_accelerator.enter(helpers=False)
 x = torch.ones(1 << 16); dist.all_reduce(x)
-out = {}
-for tid in os.listdir("/proc/self/task"):
-    name = open(f"/proc/self/task/{tid}/comm").read().strip()
-    out.setdefault(name, []).append(open(f"/proc/self/task/{tid}/cgroup").read())
-print(json.dumps(out))
 """
 
 
@@ -124,10 +137,7 @@ def test_the_process_groups_threads_run_on_the_interconnect() -> None:
     gloo threads go to the cluster's interconnect (no quota, the accelerators' weight), the
     training thread to its accelerator, the rest (the TCPStore's loop) to the host."""
     with CpuSlices(0.5) as slices:
-        out = subprocess.run([*slices.prefix("a"), sys.executable, "-c", GLOO], capture_output=True,
-                             text=True, timeout=100)
-        assert out.returncode == 0, out.stderr[-2000:]
-        threads = json.loads(out.stdout.splitlines()[-1])
+        threads = thread_cgroups(slices, GLOO)
         interconnect = f"/{slices.interconnect.name}\n"
         gloo = [cg for name in INTERCONNECT_THREADS for cg in threads.get(name, [])]
         assert gloo and all(interconnect in cg for cg in gloo), threads
@@ -148,11 +158,6 @@ torch.set_num_threads(1)
 init_horovod()
 sim_accelerator.enter(helpers=False)
 hvd.allreduce(torch.ones(1 << 16), name="x")
-out = {}
-for tid in os.listdir("/proc/self/task"):
-    name = open(f"/proc/self/task/{tid}/comm").read().strip()
-    out.setdefault(name, []).append(open(f"/proc/self/task/{tid}/cgroup").read())
-print(json.dumps(out))
 """
 
 
@@ -163,10 +168,7 @@ def test_horovods_threads_run_on_the_interconnect() -> None:
     """Horovod's background loop runs every collective (and its gloo transport sends them): the
     threads `hvd.init()` starts are named `HOROVOD_THREAD` and go to the interconnect too."""
     with CpuSlices(0.5) as slices:
-        out = subprocess.run([*slices.prefix("a"), sys.executable, "-c", HOROVOD], capture_output=True,
-                             text=True, timeout=100)
-        assert out.returncode == 0, out.stderr[-2000:]
-        threads = json.loads(out.stdout.splitlines()[-1])
+        threads = thread_cgroups(slices, HOROVOD)
         assert HOROVOD_THREAD in INTERCONNECT_THREADS
         assert threads.get(HOROVOD_THREAD) and all(f"/{slices.interconnect.name}\n" in cg
                                                    for cg in threads[HOROVOD_THREAD]), threads
