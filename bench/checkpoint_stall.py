@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import boto3
 
 import elasticyolo.train  # noqa: F401
 import torch
 
-from elasticyolo.checkpoint import CheckpointManager, list_manifests, open_store
+from elasticyolo.checkpoint import CheckpointManager, open_store
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.spec import TrainSpec
 from elasticyolo.testing.servers import S3Server
@@ -79,7 +81,9 @@ def main() -> None:
         store = open_store("s3://bench/stall" if args.store == "s3" else f"file://{tmp}/store")
         # Periods off: the segment decides when (at the start of each interval), as a period would.
         nice = {} if args.uploader_nice is None else {"background_nice": args.uploader_nice}
-        mgr = CheckpointManager(store, "bench", save_period_steps=0, save_period_s=0, keep_last=1000, **nice)
+        # Retention as in production (the default keep_last): its listing and deletes are part of the cost.
+        mgr = CheckpointManager(store, "bench", save_period_steps=0, save_period_s=0, **nice)
+        landed: list[Any] = []
 
         def step() -> None:
             core.train_step()
@@ -99,6 +103,8 @@ def main() -> None:
                 t = time.perf_counter()
                 mgr.wait(600)
                 waited = time.perf_counter() - t
+                if mgr.last is not None and mgr.last.reason != "warmup":
+                    landed.append(mgr.last)
             return trained + waited, waited
 
         for _ in range(5):  # warm-up
@@ -107,33 +113,48 @@ def main() -> None:
         mgr.wait(600)  # the uploader process is up and the shared-memory slots are sized
         n = args.intervals * args.interval
         cpu0 = {name: cpu_seconds(pid) for name, pid in (("uploader", mgr._proc.pid), ("s3 server", s3.proc.pid))}
-        ratios, with_s, without_s, waits = [], 0.0, 0.0, []
+        ratios, with_s, without_s, waits, pairs = [], 0.0, 0.0, [], []
         print(f"{'round':>5} {'with ckpt steps/s':>18} {'without steps/s':>16} {'ratio':>7} {'last upload wait s':>19}")
         for r in range(args.rounds):
             order = (True, False) if r % 2 == 0 else (False, True)
             got = {c: segment(c) for c in order}
             a, b = n / got[True][0], n / got[False][0]
             with_s, without_s = with_s + got[True][0], without_s + got[False][0]
+            pairs.append((got[True][0], got[False][0]))
             waits.append(got[True][1])
             ratios.append(a / b)
             print(f"{r:>5} {a:>18.3f} {b:>16.3f} {a / b:>7.3f} {got[True][1]:>19.2f}")
         cpu = {name: cpu_seconds(pid) - cpu0[name]
                for name, pid in (("uploader", mgr._proc.pid), ("s3 server", s3.proc.pid))}
         mgr.close(timeout=120)
-        manifests = [m for m in list_manifests(store, "bench") if m.reason != "warmup"]
+        manifests = list({m.key: m for m in landed}.values())
+    low, high = bootstrap_interval(pairs)
     print(f"median ratio with/without = {statistics.median(ratios):.3f}, overall {without_s / with_s:.3f} "
+          f"(95 % interval over rounds {low:.3f}-{high:.3f}) "
           f"(checkpoint every {args.interval} steps, {args.intervals} intervals x {args.rounds} rounds per side, "
           f"imgsz {args.imgsz}, batch {args.batch}, workers {core.loader.workers}, optimizer SGD; target >= 0.99)")
     if manifests:
         snap = [m.snapshot_s for m in manifests]
         up = [m.upload_s for m in manifests]
-        print(f"per checkpoint ({len(manifests)} kept of {args.rounds * args.intervals}, "
+        print(f"per checkpoint ({len(manifests)} read of {args.rounds * args.intervals}, "
               f"{manifests[-1].size / 1e6:.1f} MB): blocking snapshot {statistics.median(snap):.3f} s vs background "
               f"upload {statistics.median(up):.3f} s (medians, uploader process at nice {mgr.background_nice})")
         print("background CPU seconds per checkpoint: " + ", ".join(
             f"{name} {sec / (args.rounds * args.intervals):.2f}" for name, sec in cpu.items())
             + f" (the {args.store} store; the training side's share is the snapshot above)")
     core.close()
+
+
+def bootstrap_interval(pairs: list[tuple[float, float]], draws: int = 10000) -> tuple[float, float]:
+    """95 % interval of the overall ratio (sum of "without" seconds / sum of "with" seconds),
+    resampling whole rounds: how far machine noise alone moves the figure."""
+    rng = random.Random(0)
+    got = []
+    for _ in range(draws):
+        sample = [rng.choice(pairs) for _ in pairs]
+        got.append(sum(b for _, b in sample) / sum(a for a, _ in sample))
+    got.sort()
+    return got[int(0.025 * draws)], got[int(0.975 * draws) - 1]
 
 
 def cpu_seconds(pid: int) -> float:

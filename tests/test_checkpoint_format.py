@@ -26,7 +26,7 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("ultralytics")
 
 from elasticyolo.checkpoint.format import (  # noqa: E402
-    apply_checkpoint, build_checkpoint, load_checkpoint_bytes, manifest_fields, resume_fields, resume_point)
+    KEY, apply_checkpoint, build_checkpoint, load_checkpoint_bytes, manifest_fields, resume_fields, resume_point)
 
 
 def make_state(seed: int = 0) -> dict[str, Any]:
@@ -73,13 +73,38 @@ def _bytes(ckpt: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
+def test_module_skeleton_is_pickled_once_and_rebuilt_around_the_state(state: dict[str, Any]) -> None:
+    import copy
+
+    from elasticyolo.checkpoint.skeleton import skeleton_of
+
+    ema = copy.deepcopy(state["ema"].ema)
+    ema.criterion = object()  # training-only: left out
+    ema.cached = torch.arange(3.0)  # a plain tensor attribute: kept, by value
+    skeleton = skeleton_of(ema)
+    assert skeleton_of(ema) is skeleton  # pickled once while the module's state keeps its shape
+    sd = {k: v.detach().clone() for k, v in ema.state_dict().items()}
+    built = skeleton.build(sd)
+    assert type(built) is type(ema) and built.criterion is None and torch.equal(built.cached, ema.cached)
+    assert all(built.state_dict()[k].data_ptr() == v.data_ptr() for k, v in sd.items())  # the state's tensors
+    assert [n for n, _ in built.named_parameters()] == [n for n, _ in ema.named_parameters()]
+    assert not any(p.requires_grad for p in built.parameters())
+    ema.register_buffer("added", torch.zeros(2))  # the state changed shape: pickled again
+    again = skeleton_of(ema)
+    assert again is not skeleton and "added" in again.build(dict(ema.state_dict())).state_dict()
+
+
 def test_snapshot_is_a_cpu_copy(state: dict[str, Any]) -> None:
     ckpt = snapshot(state)
     live = state["ema"].ema.state_dict()
     e = resume_fields(ckpt)
-    for k, v in e["ema"].items():  # fp32 EMA survives the half() of the Ultralytics copy
+    module = ckpt["ema"].state_dict()
+    for k, v in e["ema"].items():  # full precision, copied, and the Ultralytics module holds the same tensors
         assert v.dtype == live[k].dtype and torch.equal(v, live[k]) and v.data_ptr() != live[k].data_ptr()
-    assert next(ckpt["ema"].parameters()).dtype == torch.float16
+        assert module[k].data_ptr() == v.data_ptr()
+    loaded = torch.load(io.BytesIO(_bytes(ckpt)), weights_only=False)  # and the file stores them once
+    for k, v in loaded[KEY]["ema"].items():
+        assert loaded["ema"].state_dict()[k].data_ptr() == v.data_ptr()
     assert ckpt["model"] is None and ckpt["epoch"] == 0 and ckpt["updates"] == state["ema"].updates
     assert {"optimizer", "train_args", "date", "version", "license", "docs", "best_fitness"} <= set(ckpt)
     # Mutating the live state afterwards must not change the snapshot.

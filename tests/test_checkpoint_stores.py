@@ -61,6 +61,28 @@ def test_store_operations(kind: str, bucket: str, tmp_path: Path) -> None:
     assert [o.key for o in store.list("")] == ["j/c/b.pt"]
 
 
+@pytest.mark.parametrize("checksums", ["when_supported", "when_required"])
+def test_single_put_carries_our_sha256_as_its_checksum(checksums: str, bucket: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+    import hashlib
+
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", checksums)
+    store = open_store(f"s3://{bucket}/p")
+    data = os.urandom(1024 * 1024)
+    digest = hashlib.sha256(data).hexdigest()
+    store.put_file("j/c/one.pt", io.BytesIO(data), len(data), metadata={"sha256": digest}, sha256=digest)
+    head = boto3.client("s3").head_object(Bucket=bucket, Key="p/j/c/one.pt", ChecksumMode="ENABLED")
+    sent = head.get("ChecksumSHA256")
+    if checksums == "when_supported":  # S3 checks the body against the manifest's hash
+        assert sent == base64.b64encode(bytes.fromhex(digest)).decode()
+    else:  # turned off for servers that reject checksums: none sent, ours neither
+        assert sent is None and "ChecksumCRC32" not in head
+    out = io.BytesIO()
+    store.download("j/c/one.pt", out)
+    assert out.getvalue() == data
+
+
 @pytest.mark.parametrize("uri, words", [
     ("", "empty URI"),
     ("s3:///prefix", "no bucket"),

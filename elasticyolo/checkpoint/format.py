@@ -2,18 +2,22 @@
 
 Ultralytics part (so `YOLO(path)` loads it for predict/val/export, and `train(resume=True)` works
 at epoch boundaries): epoch (last *completed* epoch, -1 if none), best_fitness, model (None),
-ema (a half-precision CPU copy of the EMA module), updates, optimizer, scaler, train_args,
-train_metrics, train_results, date, version, license, docs.
+ema (a CPU copy of the EMA module, NCHW), updates, optimizer, scaler, train_args, train_metrics,
+train_results, date, version, license, docs.
 
 elasticyolo part (`ckpt["elasticyolo"]`, plain dicts and tensors only, so loading never needs
 elasticyolo installed): exact position (global step, epoch, step within epoch), full-precision
-model and EMA state_dicts (the half EMA above is lossy), scheduler, scaler, world size, policy and a
-free-form `resume` dict (sampler state, policy ramp, RNG, ...).
+model and EMA state_dicts, scheduler, scaler, world size, policy and a free-form `resume` dict
+(sampler state, policy ramp, RNG, ...).
+
+The `ema` module keeps full precision, where Ultralytics writes a half copy: its tensors *are*
+the EMA state_dict's, so the file stores them once (a half copy beside them was 15 % more bytes
+to copy, hash, send and store for every checkpoint). `YOLO(path)` converts to float anyway.
 
 `build_checkpoint` is the only part that blocks training: it copies tensors to host memory (under
-`shipping.capture`, straight into the shared memory the uploader process reads). Pickling,
-hashing and uploading happen in the uploader process; so does the half-precision EMA copy
-(`finalize`, run by `serialize`).
+`shipping.capture`, straight into the shared memory the uploader process reads). Building the
+`ema` module around its state (`assemble`, from the module's skeleton: `skeleton.py`), pickling,
+hashing and uploading happen in the uploader process.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import collections
 import contextvars
 import copy
 import io
-import itertools
 from datetime import datetime
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from elasticyolo import __version__ as ELASTICYOLO_VERSION
+from elasticyolo.checkpoint.skeleton import ModuleSkeleton, skeleton_of
 
 FORMAT = 1
 KEY = "elasticyolo"
@@ -38,13 +42,14 @@ KEY = "elasticyolo"
 # ---- copying to CPU (the blocking part) -----------------------------------------------------
 HOST_ALLOCATOR: contextvars.ContextVar[Callable[[torch.Size, torch.dtype], torch.Tensor] | None] = \
     contextvars.ContextVar("elasticyolo_checkpoint_host_allocator", default=None)
-"""Where snapshot tensors go (set by `shipping.capture`: a shared-memory slot). When set, the
-half-precision EMA copy is left to `serialize` in the uploader process."""
+"""Where snapshot tensors go (set by `shipping.capture`: a shared-memory slot)."""
 
 
 class _Copier:
-    """Copies tensors to CPU (into `HOST_ALLOCATOR`'s memory when set). CUDA copies are issued
-    non_blocking and waited for once at the end, instead of one synchronisation per tensor."""
+    """Copies tensors to CPU (into `HOST_ALLOCATOR`'s memory when set), contiguous: checkpoints
+    hold NCHW weights even when training runs NHWC (released Ultralytics versions fuse with
+    `.view()`, which fails on NHWC strides). CUDA copies are issued non_blocking and waited for
+    once at the end, instead of one synchronisation per tensor."""
 
     def __init__(self) -> None:
         self.cuda = False
@@ -59,8 +64,8 @@ class _Copier:
             return dst
         if t.device.type == "cuda":
             self.cuda = True
-            return t.to("cpu", non_blocking=True)
-        return t.to("cpu", copy=True)
+            return t.to("cpu", non_blocking=True, memory_format=torch.contiguous_format)
+        return t.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def tree(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -73,24 +78,6 @@ class _Copier:
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self.tree(v) for v in obj)
         return copy.deepcopy(obj)
-
-    def module(self, module: nn.Module) -> nn.Module:
-        """A CPU deep copy of `module` that copies each parameter/buffer straight to CPU (no
-        intermediate GPU copy) and leaves out the training-only loss object."""
-        memo: dict[int, Any] = {}
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            if id(t) not in memo:
-                c = self.tensor(t)
-                memo[id(t)] = nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else c
-        crit = getattr(module, "criterion", None)
-        if crit is not None:
-            memo[id(crit)] = None
-        out = copy.deepcopy(module, memo)
-        for m in out.modules():  # plain tensor attributes (e.g. Detect.anchors) may sit on the GPU
-            for k, v in list(vars(m).items()):
-                if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                    setattr(m, k, v.detach().cpu())
-        return out
 
     def finish(self) -> None:
         if self.cuda:
@@ -138,24 +125,22 @@ def build_checkpoint(
     cp = _Copier()
     with torch.no_grad():
         model_sd = {k: cp.tensor(v) for k, v in _unwrap(model).state_dict().items()}
-        ema_module = getattr(ema, "ema", ema) if ema is not None else _unwrap(model)
+        ema_module = _unwrap(getattr(ema, "ema", ema) if ema is not None else model)
         updates = int(getattr(ema, "updates", 0) or 0)
-        ema_copy = cp.module(_unwrap(ema_module))
+        ema_skeleton = skeleton_of(ema_module)
+        ema_sd = {k: cp.tensor(v) for k, v in ema_module.state_dict().items()}
         opt_sd = cp.tree(optimizer.state_dict())
         sched_sd = cp.tree(scheduler.state_dict()) if scheduler is not None else None
         scaler_sd = cp.tree(scaler.state_dict()) if scaler is not None else None
         extra = cp.tree(dict(resume or {}))
         cp.finish()
-        # state_dict() holds the fp32 tensors; finalize()'s .half() replaces the module's tensors
-        # with new half ones, so the fp32 copies survive for exact resume without another copy.
-        ema_sd = ema_copy.state_dict()
     args = dict(vars(train_args)) if not isinstance(train_args, Mapping) else dict(train_args)
     ckpt = {
         "epoch": epoch if epoch_end else epoch - 1,  # Ultralytics: last completed epoch
         "best_fitness": best_fitness,
         "stopper": {"best_fitness": best_fitness, "best_epoch": max(epoch - (0 if epoch_end else 1), 0)},
         "model": None,  # like Ultralytics: inference/export use the EMA
-        "ema": ema_copy,
+        "ema": ema_skeleton,  # the module, once `assemble` has built it around the EMA state
         "updates": updates,
         "optimizer": opt_sd,
         "scaler": scaler_sd,
@@ -184,26 +169,21 @@ def build_checkpoint(
             "resume": extra,
         },
     }
-    return ckpt if cp.alloc is not None else finalize(ckpt)
+    # In host memory for the uploader, the module is built there (`assemble`), not here.
+    return ckpt if cp.alloc is not None else assemble(ckpt)
 
 
-def finalize(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """Make the `ema` module the half-precision copy Ultralytics writes (idempotent)."""
-    ema = ckpt.get("ema")
-    if isinstance(ema, nn.Module):
-        first = next(iter(ema.parameters()), None)
-        if first is not None and first.dtype != torch.float16:
-            with torch.no_grad():
-                ema.half().to(memory_format=torch.contiguous_format).eval()
-                for v in ema.state_dict().values():
-                    if v.is_floating_point():
-                        torch.nan_to_num_(v)  # fp16 overflow -> finite, as Ultralytics does
+def assemble(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """Build the `ema` module around the EMA state (its tensors are the state's, stored once)."""
+    skeleton = ckpt.get("ema")
+    if isinstance(skeleton, ModuleSkeleton):
+        ckpt["ema"] = skeleton.build(ckpt[KEY]["ema"]).eval()
     return ckpt
 
 
 # ---- reading ----------------------------------------------------------------------------------
 def serialize(ckpt: Mapping[str, Any], fileobj: io.IOBase | Any) -> None:
-    torch.save(finalize(dict(ckpt)), fileobj)
+    torch.save(assemble(dict(ckpt)), fileobj)
 
 
 def load_checkpoint_file(fileobj: Any) -> dict[str, Any]:

@@ -7,7 +7,8 @@ copy to host memory). `dumps()` then pickles only the structure, each tensor as 
 reference (offset, shape, stride, dtype) into the slot; a tensor found outside the slot is
 copied in first. Uploader side: `loads()` rebuilds the dict, each tensor cloned out of the slot
 into memory of its own (so the slot can be reused at once, and `torch.save` writes one storage
-per tensor as usual).
+per tensor as usual); tensors that shared memory in the snapshot (the EMA module's and its
+state_dict's) share one copy, so the file stores them once.
 
 Also here: `dumps_portable()` pickles a store for the uploader process (locks are recreated,
 live network clients dropped: stores create them lazily).
@@ -138,14 +139,18 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file: Any, buffers: list[torch.Tensor]) -> None:
         super().__init__(file)
         self.buffers = buffers
+        self.copies: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Any:
         _, k, off, shape, stride, dtype_name, requires_grad, is_param = pid
-        dtype = getattr(torch, dtype_name)
-        base = self.buffers[k]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        view = torch.empty(0, dtype=dtype).set_(base.untyped_storage(), off // itemsize, shape, stride)
-        t = view.clone()  # memory of its own: the slot is reused by the next snapshot
+        where = (k, off, shape, stride, dtype_name)
+        t = self.copies.get(where)
+        if t is None:  # one copy per place in the slot: tensors that shared memory still do
+            dtype = getattr(torch, dtype_name)
+            base = self.buffers[k]
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            view = torch.empty(0, dtype=dtype).set_(base.untyped_storage(), off // itemsize, shape, stride)
+            t = self.copies[where] = view.clone()  # memory of its own: the slot is reused by the next snapshot
         if is_param:
             return nn.Parameter(t, requires_grad=requires_grad)
         return t.requires_grad_(requires_grad) if requires_grad else t

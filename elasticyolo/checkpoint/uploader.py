@@ -2,7 +2,8 @@
 
 One per `CheckpointManager`, forked from the fork server (`elasticyolo.mp`) and run at a low
 priority. It receives a job (the snapshot's structure and the shared-memory slot holding its
-tensors, see `shipping.py`), rebuilds the checkpoint dict and releases the slot, then
+tensors, see `shipping.py`), rebuilds the checkpoint dict (with the EMA module around its copied
+state, `format.assemble`) and releases the slot, then
 serializes it to a spool file while hashing it (sha256, one pass), uploads it, verifies the
 stored object, writes the manifest (conditional put: never overwritten) and only then moves
 `latest.json`, then applies retention. Failed uploads are retried with backoff until they land
@@ -103,7 +104,8 @@ class Uploader:
             work.spool, work.ckpt = spool, None  # only the bytes are needed now
         job = work.job
         key = layout.object_key(self.job_name, job.name)
-        self.store.put_file(key, work.spool, work.size, metadata={"sha256": work.sha256, "step": str(job.step)})
+        self.store.put_file(key, work.spool, work.size, metadata={"sha256": work.sha256, "step": str(job.step)},
+                            sha256=work.sha256)
         self._verify(key, work)
         f = work.fields
         manifest = Manifest(
@@ -200,6 +202,7 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
     import pickle
 
     from elasticyolo.checkpoint import shipping
+    from elasticyolo.checkpoint.format import assemble
     from elasticyolo.mp import ParentWatch, adopt_environment, single_threaded
 
     adopt_environment(env)  # store credentials and endpoints as the training process has them now
@@ -235,7 +238,7 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
         _, job, buffers, skeleton = msg
         emit("started", job.id)
         try:
-            work = _Work(job, shipping.loads(skeleton, buffers))
+            work = _Work(job, assemble(shipping.loads(skeleton, buffers)))
         except Exception as exc:  # noqa: BLE001 - a bad snapshot skips one checkpoint
             emit("released", job.id)
             emit("dropped", job.id, f"snapshot unreadable: {_one_line(exc)}")

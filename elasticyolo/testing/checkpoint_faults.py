@@ -37,7 +37,8 @@ class TruncatingStore(FileStore):
     def set_bad(self, n: int) -> None:
         Path(self.counter).write_text(str(n))
 
-    def put_file(self, key: str, fileobj: Any, size: int, *, metadata: dict[str, str] | None = None) -> None:
+    def put_file(self, key: str, fileobj: Any, size: int, *, metadata: dict[str, str] | None = None,
+                 sha256: str | None = None) -> None:
         p = Path(self.counter)
         bad = int(p.read_text()) if p.exists() else 0
         if bad > 0:
@@ -45,7 +46,7 @@ class TruncatingStore(FileStore):
             fileobj.seek(0)
             self.put_bytes(key, fileobj.read(size // 2))
             return
-        super().put_file(key, fileobj, size, metadata=metadata)
+        super().put_file(key, fileobj, size, metadata=metadata, sha256=sha256)
 
 
 class RecordingSerializer(GatedSerializer):

@@ -267,6 +267,9 @@ class EtcdCluster:
         self.stop()
 
 
+MOTO_OBJECT_BUFFER = 1 << 30
+
+
 @dataclass
 class S3Server:
     """moto's standalone server: a real S3 HTTP API on 127.0.0.1."""
@@ -296,7 +299,11 @@ class S3Server:
         cmd = [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(self.port)]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"})
+                                     env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true",
+                                          # Objects stay in memory: moto otherwise spools each one over
+                                          # 5 MB to a temp file, disk and CPU that a real S3 spends on
+                                          # another machine, not on the training node under test.
+                                          "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(MOTO_OBJECT_BUFFER)})
         log.close()
         try:
             _wait_http(f"{self.endpoint_url}/moto-api/", timeout, self.proc)

@@ -36,8 +36,10 @@ class Store(Protocol):
     def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
                   content_type: str = "application/octet-stream") -> None: ...
 
-    def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None) -> None:
-        """Upload a (possibly large) seekable file object from its start."""
+    def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None,
+                 sha256: str | None = None) -> None:
+        """Upload a (possibly large) seekable file object from its start. `sha256` (hex), when the
+        caller has it, lets a store have the server check the bytes it received."""
 
     def get_bytes(self, key: str) -> bytes: ...
 

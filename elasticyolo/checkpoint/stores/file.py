@@ -77,7 +77,8 @@ class FileStore:
                   content_type: str = "application/octet-stream") -> None:
         self._write(key, data, exclusive=if_none_match)
 
-    def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None) -> None:
+    def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None,
+                 sha256: str | None = None) -> None:
         fileobj.seek(0)
         self._write(key, fileobj, exclusive=False)  # metadata: the manager re-hashes local files instead
 

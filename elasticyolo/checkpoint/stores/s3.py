@@ -7,6 +7,7 @@ are turned off so that tenacity is the one retry layer (predictable delays for t
 
 from __future__ import annotations
 
+import base64
 import re
 import threading
 
@@ -85,14 +86,16 @@ class S3Store:
                     session = boto3.session.Session(profile_name=self._profile, region_name=self._region)
                 except bce.ProfileNotFound as exc:
                     raise UserError(f"checkpoint store {self.uri}: {exc}") from None
-                s3cfg: dict[str, Any] = {}
+                # Bodies carry a checksum S3 verifies (our sha256, or botocore's CRC32): signing the
+                # payload too, which botocore does over plain http, is one more full hash of it.
+                s3cfg: dict[str, Any] = {"payload_signing_enabled": False}
                 if self._addressing_style:
                     s3cfg["addressing_style"] = self._addressing_style
                 cfg = botocore.config.Config(
                     retries={"mode": "standard", "total_max_attempts": 1},  # tenacity retries instead
                     connect_timeout=self._connect_timeout,
                     read_timeout=self._read_timeout,
-                    s3=s3cfg or None,
+                    s3=s3cfg,
                     max_pool_connections=max(10, self._tx["max_concurrency"] * 2),
                 )
                 self._client = session.client("s3", endpoint_url=self._endpoint_url, config=cfg)
@@ -181,19 +184,31 @@ class S3Store:
                 raise PreconditionFailed(key) from None
             raise
 
-    def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None) -> None:
+    def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None,
+                 sha256: str | None = None) -> None:
         from boto3.s3.transfer import TransferConfig
 
         cfg = TransferConfig(use_threads=True, **self._tx)
         extra: dict[str, Any] = {**self._sse_args()}
         if metadata:
             extra["Metadata"] = dict(metadata)
+        if sha256 and size < self._tx["multipart_threshold"] and self._checksums_wanted():
+            # One PUT: S3 checks the body against the sha256 we already computed, and botocore
+            # skips its own CRC32 pass (multipart uploads keep CRC32: S3 has no whole-object
+            # SHA-256 for them).
+            extra["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(sha256)).decode()
+            extra["ChecksumAlgorithm"] = "SHA256"  # named too: some S3-compatible servers go by it
 
         def _upload() -> None:
             fileobj.seek(0)
             self.client.upload_fileobj(_NoClose(fileobj), self.bucket, self._key(key), ExtraArgs=extra, Config=cfg)
 
         self._call(f"upload {key}", _upload)
+
+    def _checksums_wanted(self) -> bool:
+        """False where the user turned upload checksums off for a server that rejects them
+        (`AWS_REQUEST_CHECKSUM_CALCULATION=when_required`, or the same in the AWS config)."""
+        return getattr(self.client.meta.config, "request_checksum_calculation", "when_supported") != "when_required"
 
     def get_bytes(self, key: str) -> bytes:
         import botocore.exceptions as bce
