@@ -81,8 +81,9 @@ def test_module_skeleton_is_pickled_once_and_rebuilt_around_the_state(state: dic
     ema = copy.deepcopy(state["ema"].ema)
     ema.criterion = object()  # training-only: left out
     ema.cached = torch.arange(3.0)  # a plain tensor attribute: kept, by value
-    skeleton = skeleton_of(ema)
-    assert skeleton_of(ema) is skeleton  # pickled once while the module's state keeps its shape
+    skeleton = skeleton_of(ema, ema.state_dict(keep_vars=True))
+    # pickled once while the module's state keeps its shape
+    assert skeleton_of(ema, ema.state_dict(keep_vars=True)) is skeleton
     sd = {k: v.detach().clone() for k, v in ema.state_dict().items()}
     built = skeleton.build(sd)
     assert type(built) is type(ema) and built.criterion is None and torch.equal(built.cached, ema.cached)
@@ -90,7 +91,7 @@ def test_module_skeleton_is_pickled_once_and_rebuilt_around_the_state(state: dic
     assert [n for n, _ in built.named_parameters()] == [n for n, _ in ema.named_parameters()]
     assert not any(p.requires_grad for p in built.parameters())
     ema.register_buffer("added", torch.zeros(2))  # the state changed shape: pickled again
-    again = skeleton_of(ema)
+    again = skeleton_of(ema, ema.state_dict(keep_vars=True))
     assert again is not skeleton and "added" in again.build(dict(ema.state_dict())).state_dict()
 
 

@@ -127,8 +127,9 @@ def build_checkpoint(
         model_sd = {k: cp.tensor(v) for k, v in _unwrap(model).state_dict().items()}
         ema_module = _unwrap(getattr(ema, "ema", ema) if ema is not None else model)
         updates = int(getattr(ema, "updates", 0) or 0)
-        ema_skeleton = skeleton_of(ema_module)
-        ema_sd = {k: cp.tensor(v) for k, v in ema_module.state_dict().items()}
+        ema_state = ema_module.state_dict(keep_vars=True)  # one walk: the skeleton's check and the copy
+        ema_skeleton = skeleton_of(ema_module, ema_state)
+        ema_sd = {k: cp.tensor(v) for k, v in ema_state.items()}
         opt_sd = cp.tree(optimizer.state_dict())
         sched_sd = cp.tree(scheduler.state_dict()) if scheduler is not None else None
         scaler_sd = cp.tree(scaler.state_dict()) if scaler is not None else None

@@ -35,10 +35,10 @@ class ModuleSkeleton:
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple[_Signature, ModuleSkeleton]]" = weakref.WeakKeyDictionary()
 
 
-def skeleton_of(module: nn.Module) -> ModuleSkeleton:
+def skeleton_of(module: nn.Module, state: Mapping[str, torch.Tensor]) -> ModuleSkeleton:
     """`module`'s skeleton, pickled on first use and kept while the module lives and its state
-    keeps its names, shapes and dtypes. A training-only `criterion` attribute is left out."""
-    state = module.state_dict(keep_vars=True)
+    (`module.state_dict(keep_vars=True)`, which the caller copies too) keeps its names, shapes and
+    dtypes. A training-only `criterion` attribute is left out."""
     signature = tuple((k, tuple(v.shape), v.dtype) for k, v in state.items())
     cached = _CACHE.get(module)
     if cached is not None and cached[0] == signature:
