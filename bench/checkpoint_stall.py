@@ -142,6 +142,10 @@ def main() -> None:
         print("background CPU seconds per checkpoint: " + ", ".join(
             f"{name} {sec / (args.rounds * args.intervals):.2f}" for name, sec in cpu.items())
             + f" (the {args.store} store; the training side's share is the snapshot above)")
+        cpus = len(os.sched_getaffinity(0))
+        print("their share of this machine's CPU time while training with checkpoints: " + ", ".join(
+            f"{name} {sec / (with_s * cpus):.2%}" for name, sec in cpu.items())
+            + " (S3 runs elsewhere in production; `--store file` measures the node's own work alone)")
     core.close()
 
 

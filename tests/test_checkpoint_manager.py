@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from elasticyolo.checkpoint import CheckpointManager, list_manifests, open_store, read_latest, restore_latest
 from elasticyolo.checkpoint.adaptive import YoungDaly
-from elasticyolo.testing.checkpoint_faults import GatedSerializer, TruncatingStore
+from elasticyolo.testing.checkpoint_faults import CrashingSerializer, GatedSerializer, TruncatingStore
 from elasticyolo.testing.servers import S3Server, free_port
 
 torch = pytest.importorskip("torch")
@@ -284,6 +284,38 @@ def test_at_most_one_pending(tmp_path: Path) -> None:
     assert mgr.wait(20)
     assert steps_of(store, "job") == [10, 50]
     mgr.close()
+
+
+def test_uploader_dying_mid_serialization(tmp_path: Path) -> None:
+    # The uploader serializes straight from the shared-memory slot, so a snapshot survives its
+    # death until serialized: sent again once, dropped if the new uploader dies on it too.
+    counter = tmp_path / "crashes"
+    store = open_store(f"file://{tmp_path}/store")
+    with fast_manager(store, "job", serializer=CrashingSerializer(counter)) as mgr:
+        counter.write_text("1")
+        assert mgr.maybe_save(10, 0, lambda: fake_ckpt(10))
+        assert mgr.wait(30) and steps_of(store, "job") == [10] and counter.read_text() == "0"
+        counter.write_text("2")
+        assert mgr.maybe_save(20, 0, lambda: fake_ckpt(20))
+        _until(lambda: mgr.superseded == 1)
+        assert counter.read_text() == "0" and steps_of(store, "job") == [10]  # died twice, then let go
+        assert mgr.maybe_save(30, 0, lambda: fake_ckpt(30))
+        assert mgr.wait(30) and steps_of(store, "job") == [10, 30]
+
+
+def test_retention_goes_by_names_and_asks_only_about_victims() -> None:
+    from elasticyolo.checkpoint.catalog import retention_victims
+
+    n10, n20, n30, n40 = (f"{s:012d}-{1000 + s:013d}-aaaaaaaa" for s in (10, 20, 30, 40))
+    assert retention_victims([n30, n10, n40, n20], 2) == [n10, n20]  # names sort in training order
+    asked: list[str] = []
+
+    def epoch_end(name: str) -> bool:
+        asked.append(name)
+        return name == n10
+
+    assert retention_victims([n30, n10, n40, n20], 2, epoch_end, protect={n20}) == []
+    assert asked == [n10]  # the newest two and the latest pointer's are never read
 
 
 def test_retention(tmp_path: Path) -> None:

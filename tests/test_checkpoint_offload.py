@@ -68,5 +68,20 @@ def test_checkpoint_lands_while_training_continues_serialized_in_another_process
         assert params_digest(fresh.model) == pytest.approx(digest, rel=1e-12)  # the state at the snapshot
         ema = resume_fields(ckpt)["ema"]  # through the slot, the EMA is still stored once
         assert all(v.data_ptr() == ema[k].data_ptr() for k, v in ckpt["ema"].state_dict().items())
+        # Serialized straight from the slot, each tensor with just its own bytes (not the slot's).
+        tensors = {t.data_ptr(): t.numel() * t.element_size() for t in _tensors(ckpt)}
+        assert manifest.size < sum(tensors.values()) * 1.02 + (1 << 20)
     finally:
         fresh.close()
+
+
+def _tensors(obj: object) -> list["torch.Tensor"]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.state_dict().values())
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []

@@ -111,9 +111,15 @@ def test_agent_killed_world_shrinks_then_new_agent_grows_it(cluster: AgentCluste
     t_join = time.time()
     c.start("d")
     c.wait(lambda: steps_after(c.events(), t_join, 3), START_S, "a step at world size 3 after the join")
+    c.wait(lambda: {e["rank"] for e in c.events() if e["ev"] == "step" and e["world"] == 3 and e["t"] > t_join}
+           == {0, 1, 2}, STEP_S, "every rank's first step at world size 3")
     ev = c.events()
     first3 = min(e["t"] for e in steps_after(ev, t_join, 3))
-    resumes = [e for e in ev if e["ev"] == "resume" and e["world"] == 3 and t_join < e["t"] < first3]
+    # Each rank resumed before its own first step at world 3 (a step record is written before the
+    # step's all-reduce, so a survivor's can precede the newcomer's resume, written after its sync).
+    own_first3 = {r: min(e["t"] for e in ev if e["ev"] == "step" and e["world"] == 3 and e["rank"] == r
+                         and e["t"] > t_join) for r in range(3)}
+    resumes = [e for e in ev if e["ev"] == "resume" and e["world"] == 3 and t_join < e["t"] < own_first3[e["rank"]]]
     assert {e["rank"] for e in resumes} == {0, 1, 2}
     assert len({e["step"] for e in resumes}) == 1
     digests = [e["params_digest"] for e in resumes]

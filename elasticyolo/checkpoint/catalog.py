@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from elasticyolo.checkpoint import layout
 from elasticyolo.checkpoint.layout import Manifest
@@ -60,14 +61,16 @@ def find(store: Store, job: str, which: str = "latest") -> Manifest:
     return hits[-1]
 
 
-def retention_victims(manifests: list[Manifest], keep_last: int, keep_epochs: bool,
-                      protect: set[str] | None = None) -> list[Manifest]:
-    """Manifests to delete: all but the newest `keep_last`, except epoch-end ones when `keep_epochs`,
-    and except names in `protect` (the latest pointer)."""
-    ordered = sorted(manifests, key=lambda m: (m.step, m.created, m.name))
-    keep = {m.name for m in ordered[-keep_last:]} if keep_last > 0 else set()
+def retention_victims(names: list[str], keep_last: int, is_epoch_end: Callable[[str], bool] | None = None,
+                      protect: set[str] | None = None) -> list[str]:
+    """Checkpoint names to delete: all but the newest `keep_last` (names sort in training order:
+    step, then snapshot time), except names in `protect` (the latest pointer) and, when
+    `is_epoch_end` is given (keep_epochs), epoch-end checkpoints. `is_epoch_end` is asked only
+    about names that would otherwise go."""
+    ordered = sorted(names)
+    keep = set(ordered[-keep_last:]) if keep_last > 0 else set()
     keep |= protect or set()
-    return [m for m in ordered if m.name not in keep and not (keep_epochs and m.epoch_end)]
+    return [n for n in ordered if n not in keep and not (is_epoch_end is not None and is_epoch_end(n))]
 
 
 @dataclass
@@ -80,16 +83,29 @@ def prune(store: Store, job: str, *, keep_last: int, keep_epochs: bool, orphan_g
           dry_run: bool = False) -> PruneResult:
     """Apply retention. Manifests go first, then their objects: a crash in between leaves an orphan
     object (removed later), never a manifest without its object. Objects without a manifest are
-    removed once older than `orphan_grace_s` (an upload may be in flight)."""
-    manifests = list_manifests(store, job)
+    removed once older than `orphan_grace_s` (an upload may be in flight).
+
+    Runs after every checkpoint, so it goes by key names (listings) and reads a manifest only to
+    ask whether a checkpoint that would go ends an epoch (`keep_epochs`)."""
+    names = [layout.name_of(info.key) for info in store.list(layout.manifest_prefix(job)) if info.key.endswith(".json")]
     latest = read_latest(store, job)
-    victims = retention_victims(manifests, keep_last, keep_epochs, {latest.name} if latest else set())
-    kept_objects = {m.key for m in manifests if m not in victims}
-    result = PruneResult([m.manifest_key for m in victims], [m.key for m in victims if m.key not in kept_objects])
+
+    def is_epoch_end(name: str) -> bool:
+        try:
+            return Manifest.from_json(store.get_bytes(layout.manifest_key(job, name))).epoch_end
+        except NotFound:
+            return False  # pruned meanwhile
+        except (ValueError, TypeError) as exc:
+            log.warning("manifest_unreadable", job=job, name=name, error=str(exc)[:200])
+            return True  # unknown: keep it
+
+    victims = retention_victims(names, keep_last, is_epoch_end if keep_epochs else None,
+                                {latest.name} if latest else set())
+    result = PruneResult([layout.manifest_key(job, n) for n in victims], [layout.object_key(job, n) for n in victims])
     now = time.time()
-    referenced = {m.key for m in manifests}
+    referenced = set(names)
     for info in store.list(layout.ckpt_prefix(job)):
-        if info.key not in referenced and now - info.last_modified > orphan_grace_s:
+        if layout.name_of(info.key) not in referenced and now - info.last_modified > orphan_grace_s:
             result.objects.append(info.key)
     if not dry_run:
         if result.manifests:

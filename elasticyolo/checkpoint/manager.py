@@ -46,7 +46,8 @@ class _Job:
     job: Job
     slot: int
     skeleton: bytes = b""
-    released: bool = False  # the uploader has read the slot (it may hold another snapshot now)
+    released: bool = False  # the uploader has serialized the slot (it may hold another snapshot now)
+    resent: bool = False  # sent again after the uploader died holding it (only once: it may be why)
 
     @property
     def step(self) -> int:
@@ -403,8 +404,11 @@ class CheckpointManager:
             if lost is not None:
                 self.last_error = f"uploader exited with {proc.exitcode}"
                 log.error("checkpoint_uploader_died", job=self.job, step=lost.step, exitcode=proc.exitcode)
-                if self._pending is None and not lost.released:
+                if self._pending is None and not lost.released and not lost.resent:
+                    lost.resent = True
                     self._pending = lost  # its slot still holds the snapshot: send it again
+                elif self._pending is None and not lost.released:
+                    self._drop(lost.job, "the uploader died twice on this snapshot")
             restart = self._pending is not None and not self._starting
             self._starting |= restart
             self._cond.notify_all()

@@ -5,10 +5,11 @@ Training side: the snapshot's tensors are copied straight into a `HostSlot`, a r
 shared-memory buffer (`capture()` makes `format._Copier` allocate there, so this *is* the one
 copy to host memory). `dumps()` then pickles only the structure, each tensor as a small
 reference (offset, shape, stride, dtype) into the slot; a tensor found outside the slot is
-copied in first. Uploader side: `loads()` rebuilds the dict, each tensor cloned out of the slot
-into memory of its own (so the slot can be reused at once, and `torch.save` writes one storage
-per tensor as usual); tensors that shared memory in the snapshot (the EMA module's and its
-state_dict's) share one copy, so the file stores them once.
+copied in first. Uploader side: `loads()` rebuilds the dict, each tensor a view of its own bytes
+in the slot with a storage of its own (no copy; `torch.save` writes one storage per tensor as
+usual, not the whole slot); tensors that shared memory in the snapshot (the EMA module's and its
+state_dict's) share one storage, so the file stores them once. The uploader holds the slot until
+it has serialized the checkpoint (the manager's other slot takes the next snapshot meanwhile).
 
 Also here: `dumps_portable()` pickles a store for the uploader process (locks are recreated,
 live network clients dropped: stores create them lazily).
@@ -138,26 +139,33 @@ def dumps(obj: Any, slot: HostSlot) -> bytes:
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file: Any, buffers: list[torch.Tensor]) -> None:
         super().__init__(file)
-        self.buffers = buffers
-        self.copies: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.bytes = [memoryview(b.numpy()).cast("B") for b in buffers]
+        self.views: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Any:
         _, k, off, shape, stride, dtype_name, requires_grad, is_param = pid
         where = (k, off, shape, stride, dtype_name)
-        t = self.copies.get(where)
-        if t is None:  # one copy per place in the slot: tensors that shared memory still do
-            dtype = getattr(torch, dtype_name)
-            base = self.buffers[k]
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            view = torch.empty(0, dtype=dtype).set_(base.untyped_storage(), off // itemsize, shape, stride)
-            t = self.copies[where] = view.clone()  # memory of its own: the slot is reused by the next snapshot
+        t = self.views.get(where)
+        if t is None:  # one storage per place in the slot: tensors that shared memory still do
+            t = self.views[where] = _view(self.bytes[k], off, shape, stride, getattr(torch, dtype_name))
         if is_param:
             return nn.Parameter(t, requires_grad=requires_grad)
         return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def _view(mem: memoryview, off: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor at byte `off` of `mem`, over a storage holding just its bytes (not a copy)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    span = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    if span == 0:  # frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(mem[off:off + span * itemsize], dtype=torch.uint8).view(dtype)
+    return flat.as_strided(shape, stride)
+
+
 def loads(data: bytes, buffers: list[torch.Tensor]) -> Any:
-    """Rebuild what `dumps` pickled, from the slot's buffers (uploader side)."""
+    """Rebuild what `dumps` pickled, over the slot's buffers (uploader side). The tensors are views
+    of the slot: serialize before letting the slot go."""
     return _Unpickler(io.BytesIO(data), buffers).load()
 
 

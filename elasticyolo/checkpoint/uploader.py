@@ -2,17 +2,19 @@
 
 One per `CheckpointManager`, forked from the fork server (`elasticyolo.mp`) and run at a low
 priority. It receives a job (the snapshot's structure and the shared-memory slot holding its
-tensors, see `shipping.py`), rebuilds the checkpoint dict (with the EMA module around its copied
-state, `format.assemble`) and releases the slot, then
-serializes it to a spool file while hashing it (sha256, one pass), uploads it, verifies the
-stored object, writes the manifest (conditional put: never overwritten) and only then moves
-`latest.json`, then applies retention. Failed uploads are retried with backoff until they land
+tensors, see `shipping.py`), rebuilds the checkpoint dict over the slot (with the EMA module
+around the EMA state, `format.assemble`), serializes it to an in-memory spool while hashing it
+(sha256, one pass) and releases the slot, then uploads it, verifies the stored object, writes
+the manifest (conditional put: never overwritten) and only then moves `latest.json`, then
+applies retention. Failed uploads are retried with backoff until they land
 or a newer job arrives. It tells the manager what happens (events and log records) over a pipe;
 training never waits for any of it.
 """
 
 from __future__ import annotations
 
+import collections
+import gc
 import os
 import random
 import tempfile
@@ -24,6 +26,7 @@ from elasticyolo import __version__ as ELASTICYOLO_VERSION
 from elasticyolo.checkpoint import catalog, layout
 from elasticyolo.checkpoint.hashing import HashingWriter, sha256_of
 from elasticyolo.checkpoint.layout import Manifest
+from elasticyolo.checkpoint.spool import MemorySpool
 from elasticyolo.checkpoint.stores import NotFound, PreconditionFailed, Store
 from elasticyolo.checkpoint.stores.retry import is_transient
 
@@ -74,6 +77,7 @@ class _Work:
     size: int = 0
     fields: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0
+    serialize_s: float = 0.0
 
 
 class Uploader:
@@ -84,24 +88,37 @@ class Uploader:
         self.store, self.job_name, self.opts = store, layout.check_job(job_name), opts
         self.serialize = serializer or torch_serialize
         self.emit = emit
+        self._memory_spool = MemorySpool()
 
     def log(self, level: str, event: str, **fields: Any) -> None:
         self.emit("log", level, event, fields)
 
+    def serialize_once(self, work: _Work, expected_size: int = 0) -> None:
+        """Serialize `work.ckpt` into a spool, hashing as it goes (one pass over the bytes, not
+        two); retries re-upload the same bytes. Up to `spool_max_bytes` (by `expected_size`) the
+        spool is this uploader's reused memory buffer, larger ones spill to a temp file."""
+        if work.spool is not None:
+            return
+        assert work.ckpt is not None
+        from elasticyolo.checkpoint.format import manifest_fields
+
+        t0 = time.perf_counter()
+        work.fields = manifest_fields(work.ckpt)
+        if expected_size <= self.opts.spool_max_bytes:
+            spool: Any = self._memory_spool.reset()
+        else:
+            spool = tempfile.SpooledTemporaryFile(max_size=self.opts.spool_max_bytes, prefix="elasticyolo-ckpt-")
+        writer = HashingWriter(spool)
+        self.serialize(work.ckpt, writer)  # type: ignore[arg-type]
+        spool.flush()
+        work.sha256, work.size = writer.sha.hexdigest(), writer.size
+        work.spool, work.ckpt = spool, None  # only the bytes are needed now
+        work.serialize_s = time.perf_counter() - t0
+
     def attempt(self, work: _Work) -> Manifest:
         work.attempts += 1
-        t0 = time.perf_counter()
-        if work.spool is None:  # serialize once; retries re-upload the same bytes
-            assert work.ckpt is not None
-            from elasticyolo.checkpoint.format import manifest_fields
-
-            work.fields = manifest_fields(work.ckpt)
-            spool = tempfile.SpooledTemporaryFile(max_size=self.opts.spool_max_bytes, prefix="elasticyolo-ckpt-")
-            writer = HashingWriter(spool)  # hash while writing: one pass over the bytes, not two
-            self.serialize(work.ckpt, writer)  # type: ignore[arg-type]
-            spool.flush()
-            work.sha256, work.size = writer.sha.hexdigest(), writer.size
-            work.spool, work.ckpt = spool, None  # only the bytes are needed now
+        t0 = time.perf_counter() - (work.serialize_s if work.attempts == 1 else 0.0)
+        self.serialize_once(work)
         job = work.job
         key = layout.object_key(self.job_name, job.name)
         self.store.put_file(key, work.spool, work.size, metadata={"sha256": work.sha256, "step": str(job.step)},
@@ -167,10 +184,11 @@ class Uploader:
 
 def close_spool(work: _Work | None) -> None:
     if work is not None and work.spool is not None:
-        try:
-            work.spool.close()
-        except OSError:
-            pass
+        if not isinstance(work.spool, MemorySpool):  # the memory spool is kept for the next one
+            try:
+                work.spool.close()
+            except OSError:
+                pass
         work.spool = None
     if work is not None:
         work.ckpt = None
@@ -207,6 +225,18 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
 
     adopt_environment(env)  # store credentials and endpoints as the training process has them now
     single_threaded()
+    import torch
+
+    # No zip CRC32 per record: the manifest's sha256 covers every byte of the file (S3 checks it
+    # on upload, restore before loading), and the CRC was another pass over the bytes, 40 % of
+    # torch.save's time. torch.load reads such files as usual.
+    torch.serialization.set_crc32_options(False)
+    # What the process inherited lives as long as it does: out of the collector's sight, so the
+    # collections that building and pickling each checkpoint's module trigger do not walk all of
+    # torch's objects every time (again after the first job: its unpickling imports the model's
+    # classes).
+    gc.freeze()
+    frozen_after_first = False
     if nice:
         yield_cpu(nice)
     watch = ParentWatch()
@@ -233,15 +263,26 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
             if not watch.alive():
                 return ("stop", True)
 
+    # The last two jobs' slot buffers (the manager alternates two slots) stay referenced, so
+    # torch's shared-storage cache maps a slot that comes again to the same, already faulted-in
+    # memory instead of mapping it anew each checkpoint.
+    mapped: collections.deque[list[Any]] = collections.deque(maxlen=2)
     msg = receive(None)
     while msg is not None and msg[0] == "job":
         _, job, buffers, skeleton = msg
+        mapped.append(buffers)
         emit("started", job.id)
+        work = _Work(job, None)
         try:
-            work = _Work(job, assemble(shipping.loads(skeleton, buffers)))
+            # Straight from the slot (the checkpoint's tensors are views of it), so it is held
+            # until serialized; the manager's other slot takes a snapshot meanwhile.
+            work.ckpt = assemble(shipping.loads(skeleton, buffers))
+            up.serialize_once(work, expected_size=sum(b.numel() for b in buffers))
         except Exception as exc:  # noqa: BLE001 - a bad snapshot skips one checkpoint
+            close_spool(work)
+            del buffers
             emit("released", job.id)
-            emit("dropped", job.id, f"snapshot unreadable: {_one_line(exc)}")
+            emit("dropped", job.id, f"snapshot not serializable: {_one_line(exc)}")
             msg = receive(None)
             continue
         del buffers
@@ -269,5 +310,9 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
             up.prune()
             break
         close_spool(work)
+        if not frozen_after_first:
+            gc.collect()
+            gc.freeze()
+            frozen_after_first = True
         if msg is None:
             msg = receive(None)

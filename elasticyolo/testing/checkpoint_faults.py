@@ -66,3 +66,25 @@ class RecordingSerializer(GatedSerializer):
         while not Path(self.gate).exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         serialize(ckpt, out)
+
+
+class CrashingSerializer:
+    """Kills its own (uploader) process mid-serialization while the counter file says so,
+    counting it down by one each time; otherwise torch.save."""
+
+    def __init__(self, counter: str | Path) -> None:
+        self.counter = str(counter)
+
+    def __call__(self, ckpt: Mapping[str, Any], out: IO[bytes]) -> None:
+        import os
+        import signal
+
+        import torch
+
+        p = Path(self.counter)
+        bad = int(p.read_text()) if p.exists() else 0
+        if bad > 0:
+            p.write_text(str(bad - 1))
+            out.write(b"PK\x03\x04")  # part of a file, then gone
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.save(dict(ckpt), out)

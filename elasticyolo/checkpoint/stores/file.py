@@ -79,8 +79,11 @@ class FileStore:
 
     def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None,
                  sha256: str | None = None) -> None:
+        # No metadata: the manager re-hashes local files instead. An in-memory spool is written
+        # from its buffer (no read copies).
         fileobj.seek(0)
-        self._write(key, fileobj, exclusive=False)  # metadata: the manager re-hashes local files instead
+        view = getattr(fileobj, "getbuffer", None)
+        self._write(key, view()[:size] if view is not None else fileobj, exclusive=False)
 
     def get_bytes(self, key: str) -> bytes:
         try:

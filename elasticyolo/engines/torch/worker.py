@@ -161,10 +161,8 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
     work_dir = env.run_dir
     core = prepared.core if prepared is not None else None
     if core is None:
-        core = TrainCore(spec, rank=rank, world=world, local_rank=local_rank,
-                         grad_allreduce=make_allreduce(world, spec.fp16_allreduce), work_dir=work_dir)
+        core = TrainCore(spec, rank=rank, world=world, local_rank=local_rank, work_dir=work_dir)
     else:
-        core.grad_allreduce = make_allreduce(world, spec.fp16_allreduce)
         core.progress.world = 0  # built for world 1: the first set_world is not a resize
         core.set_world(world, rank)
     collectives = TorchCollectives(core.device)
@@ -174,8 +172,8 @@ def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] |
     stop = None
     if snapshots is not None:
         stop = StopAtCommit(core, torch_reduce(core.device), snapshots, world=world)
-        core.grad_allreduce = make_allreduce(world, spec.fp16_allreduce, stop)
         finish_snapshot_on_sigterm(snapshots, stop_at_commit=stop.request)
+    core.grad_allreduce = make_allreduce(world, spec.fp16_allreduce, stop)  # before the first step
     checkpointer = Checkpointer(spec, job, rank, sinks=sinks if rank == 0 else None,
                                 store=prepared.store if prepared is not None else None)
     trace = TraceWriter()
