@@ -13,6 +13,11 @@ production S3 is not on the training node) through the production CheckpointMana
 the blocking snapshot, the uploader process serializes, hashes and uploads. Also prints the
 blocking snapshot time per checkpoint against the background upload time.
 
+Beside the interleaved ratio, whose rounds move by a few % with the host's speed, it prints a
+windowed estimate from the same runs: each checkpoint's steps, from the snapshot until its upload
+has landed (plus `--tail`), against the mean step of the rest of the same interval, seconds away;
+the same cut over the paired interval without checkpoints shows the estimator's own error.
+
     .venv/bin/python bench/checkpoint_stall.py [--interval 200 --intervals 1 --rounds 10 --imgsz 64 --batch 4 --store s3|file]
 """
 
@@ -26,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--uploader-nice", type=int, default=None,
                     help="nice of the uploader process (default: the manager's)")
+    ap.add_argument("--tail", type=float, default=1.0,
+                    help="seconds after an upload landed still counted as its window (windowed estimate)")
     ap.add_argument("--store", choices=("s3", "file"), default="s3",
                     help="s3: a local S3 API server (default); file: a local directory, to tell the "
                          "uploader's own cost from the S3 server's (which is another machine in production)")
@@ -84,19 +92,30 @@ def main() -> None:
         # Retention as in production (the default keep_last): its listing and deletes are part of the cost.
         mgr = CheckpointManager(store, "bench", save_period_steps=0, save_period_s=0, **nice)
         landed: list[Any] = []
+        windows: dict[tuple[int, bool, int], Interval] = {}  # (round, with checkpoints, interval in segment)
 
         def step() -> None:
             core.train_step()
             core.end_epoch_if_done()
 
-        def segment(checkpoint: bool) -> tuple[float, float]:
-            """Seconds for `intervals x interval` steps, and the wait for the last upload."""
+        def segment(checkpoint: bool, r: int) -> tuple[float, float]:
+            """Seconds for `intervals x interval` steps, and the wait for the last upload. Also
+            records each interval's step times and when its upload had landed (`windows`)."""
             t = time.perf_counter()
+            interval = Interval(t)
             for i in range(args.intervals * args.interval):
-                if checkpoint and i % args.interval == 0:
-                    mgr.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
-                             reason="period_steps")
+                if i % args.interval == 0:
+                    interval = windows[(r, checkpoint, i // args.interval)] = Interval(time.perf_counter())
+                    if checkpoint:
+                        mgr.save(core.progress.step, core.progress.epoch, lambda: build_core_checkpoint(core),
+                                 reason="period_steps")
+                        interval.snapshot_s = time.perf_counter() - interval.start
+                s0 = time.perf_counter()
                 step()
+                interval.steps.append((time.perf_counter() - interval.start, time.perf_counter() - s0))
+                done = idle(mgr)  # asked on both sides alike
+                if checkpoint and interval.landed_s is None and done:
+                    interval.landed_s = time.perf_counter() - interval.start
             trained = time.perf_counter() - t
             waited = 0.0
             if checkpoint:
@@ -117,7 +136,7 @@ def main() -> None:
         print(f"{'round':>5} {'with ckpt steps/s':>18} {'without steps/s':>16} {'ratio':>7} {'last upload wait s':>19}")
         for r in range(args.rounds):
             order = (True, False) if r % 2 == 0 else (False, True)
-            got = {c: segment(c) for c in order}
+            got = {c: segment(c, r) for c in order}
             a, b = n / got[True][0], n / got[False][0]
             with_s, without_s = with_s + got[True][0], without_s + got[False][0]
             pairs.append((got[True][0], got[False][0]))
@@ -129,10 +148,17 @@ def main() -> None:
         mgr.close(timeout=120)
         manifests = list({m.key: m for m in landed}.values())
     low, high = bootstrap_interval(pairs)
+    windowed = windowed_ratios(windows, args.tail)
     print(f"median ratio with/without = {statistics.median(ratios):.3f}, overall {without_s / with_s:.3f} "
           f"(95 % interval over rounds {low:.3f}-{high:.3f}) "
           f"(checkpoint every {args.interval} steps, {args.intervals} intervals x {args.rounds} rounds per side, "
           f"imgsz {args.imgsz}, batch {args.batch}, workers {core.loader.workers}, optimizer SGD; target >= 0.99)")
+    if windowed is not None:
+        (w, w_half), (c, c_half), n_w = windowed
+        print(f"windowed: {w:.3f} +- {w_half:.3f} (95 %, {n_w} intervals): each checkpoint interval's steps from the "
+              f"snapshot until {args.tail:g} s after its upload landed, against the mean step of the rest of the same "
+              f"interval (seconds away, so host drift mostly cancels); the same windows over the paired intervals "
+              f"without checkpoints (the estimator's own error): {c:.3f} +- {c_half:.3f}")
     if manifests:
         snap = [m.snapshot_s for m in manifests]
         up = [m.upload_s for m in manifests]
@@ -147,6 +173,56 @@ def main() -> None:
             f"{name} {sec / (with_s * cpus):.2%}" for name, sec in cpu.items())
             + " (S3 runs elsewhere in production; `--store file` measures the node's own work alone)")
     core.close()
+
+
+@dataclass
+class Interval:
+    """One checkpoint interval of a segment: (seconds since its start, duration) per step."""
+
+    start: float
+    snapshot_s: float = 0.0
+    landed_s: float | None = None
+    steps: list[tuple[float, float]] = field(default_factory=list)
+
+
+def idle(mgr: CheckpointManager) -> bool:
+    st = mgr.status()
+    return st["uploading_step"] is None and st["pending_step"] is None
+
+
+def windowed_ratios(intervals: dict[tuple[int, bool, int], Interval], tail_s: float
+                    ) -> tuple[tuple[float, float], tuple[float, float], int] | None:
+    """A second, finer estimate from the same runs. The interleaved comparison's rounds move by a
+    few % with the host's speed; here each checkpoint's cost is measured against steps of its own
+    interval: (time of the steps from the snapshot until `tail_s` after the upload landed, plus the
+    snapshot) minus (as many steps at the mean step time of the rest of the interval). The paired
+    interval without checkpoints, cut at the same step count, gives the estimator's own error.
+    Returns ((ratio, 95 % half-width) with checkpoints, (ratio, half-width) without, intervals)."""
+    def cost(iv: Interval, n_window: int) -> float | None:
+        inside, rest = iv.steps[:n_window], iv.steps[n_window:]
+        if len(rest) < len(iv.steps) // 4:
+            return None  # the upload took most of the interval: no baseline left
+        base = statistics.fmean(d for _, d in rest)
+        total = iv.snapshot_s + sum(d for _, d in iv.steps)
+        return (iv.snapshot_s + sum(d for _, d in inside) - len(inside) * base) / total
+
+    with_cost, without_cost = [], []
+    for (r, checkpoint, k), ckpt in sorted(intervals.items()):
+        plain = intervals.get((r, False, k))  # the same interval of the same round, without
+        if not checkpoint or plain is None or ckpt.landed_s is None:
+            continue
+        n_window = sum(1 for t, _ in ckpt.steps if t <= ckpt.landed_s + tail_s)
+        got, control = cost(ckpt, n_window), cost(plain, n_window)
+        if got is not None and control is not None:
+            with_cost.append(got)
+            without_cost.append(control)
+    if len(with_cost) < 3:
+        return None
+
+    def summary(xs: list[float]) -> tuple[float, float]:
+        return 1.0 - statistics.fmean(xs), 1.96 * statistics.stdev(xs) / len(xs) ** 0.5
+
+    return summary(with_cost), summary(without_cost), len(with_cost)
 
 
 def bootstrap_interval(pairs: list[tuple[float, float]], draws: int = 10000) -> tuple[float, float]:
