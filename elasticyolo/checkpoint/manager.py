@@ -404,11 +404,12 @@ class CheckpointManager:
             if lost is not None:
                 self.last_error = f"uploader exited with {proc.exitcode}"
                 log.error("checkpoint_uploader_died", job=self.job, step=lost.step, exitcode=proc.exitcode)
-                if self._pending is None and not lost.released and not lost.resent:
-                    lost.resent = True
-                    self._pending = lost  # its slot still holds the snapshot: send it again
-                elif self._pending is None and not lost.released:
-                    self._drop(lost.job, "the uploader died twice on this snapshot")
+                if self._pending is None and not lost.released:  # its slot still holds the snapshot
+                    if lost.resent:
+                        self._drop(lost.job, "the uploader died twice on this snapshot")
+                    else:
+                        lost.resent = True
+                        self._pending = lost  # send it again
             restart = self._pending is not None and not self._starting
             self._starting |= restart
             self._cond.notify_all()

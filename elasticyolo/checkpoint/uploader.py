@@ -93,13 +93,11 @@ class Uploader:
     def log(self, level: str, event: str, **fields: Any) -> None:
         self.emit("log", level, event, fields)
 
-    def serialize_once(self, work: _Work, expected_size: int = 0) -> None:
+    def serialize_once(self, work: _Work, expected_size: int) -> None:
         """Serialize `work.ckpt` into a spool, hashing as it goes (one pass over the bytes, not
-        two); retries re-upload the same bytes. Up to `spool_max_bytes` (by `expected_size`) the
+        two); every attempt uploads these bytes. Up to `spool_max_bytes` (by `expected_size`) the
         spool is this uploader's reused memory buffer, larger ones spill to a temp file."""
-        if work.spool is not None:
-            return
-        assert work.ckpt is not None
+        assert work.ckpt is not None and work.spool is None
         from elasticyolo.checkpoint.format import manifest_fields
 
         t0 = time.perf_counter()
@@ -118,7 +116,7 @@ class Uploader:
     def attempt(self, work: _Work) -> Manifest:
         work.attempts += 1
         t0 = time.perf_counter() - (work.serialize_s if work.attempts == 1 else 0.0)
-        self.serialize_once(work)
+        assert work.spool is not None, "serialize_once first"
         job = work.job
         key = layout.object_key(self.job_name, job.name)
         self.store.put_file(key, work.spool, work.size, metadata={"sha256": work.sha256, "step": str(job.step)},
@@ -280,12 +278,10 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
             up.serialize_once(work, expected_size=sum(b.numel() for b in buffers))
         except Exception as exc:  # noqa: BLE001 - a bad snapshot skips one checkpoint
             close_spool(work)
-            del buffers
             emit("released", job.id)
             emit("dropped", job.id, f"snapshot not serializable: {_one_line(exc)}")
             msg = receive(None)
             continue
-        del buffers
         emit("released", job.id)  # the slot can take the next snapshot
         msg = None
         while True:
