@@ -335,6 +335,28 @@ def test_retention(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "job" / "latest.json").read_text())["step"] == 70
 
 
+def test_prune_after_an_upload_skips_what_the_uploader_knows(tmp_path: Path) -> None:
+    """The uploader's prune after each checkpoint: the latest pointer's name comes from the
+    upload (latest.json is not read again) and orphans are looked for only now and then."""
+    from elasticyolo.checkpoint import catalog
+
+    store = open_store(f"file://{tmp_path}")
+    with fast_manager(store, "job", keep_last=5) as mgr:
+        for step in (10, 20, 30):
+            assert mgr.maybe_save(step, 0, lambda: fake_ckpt(step), force=True) and mgr.wait(10)
+    names = [m.name for m in list_manifests(store, "job")]
+    orphan = tmp_path / "job" / "ckpt" / "000000000001-0000000000000-deadbeef.pt"
+    orphan.write_bytes(b"half")
+    os.utime(orphan, (time.time() - 7200, time.time() - 7200))
+    (tmp_path / "job" / "latest.json").unlink()  # would protect nothing if it were read
+
+    got = catalog.prune(store, "job", keep_last=1, keep_epochs=False, latest_name=names[0], orphans=False)
+    assert sorted(got.manifests) == [f"job/manifests/{names[1]}.json"] and orphan.exists()
+    assert [m.name for m in list_manifests(store, "job")] == [names[0], names[2]]
+    catalog.prune(store, "job", keep_last=1, keep_epochs=False, latest_name=names[0])
+    assert not orphan.exists()
+
+
 def test_due_and_adaptive() -> None:
     now = [1000.0]
     clock = lambda: now[0]  # noqa: E731

@@ -80,15 +80,19 @@ class PruneResult:
 
 
 def prune(store: Store, job: str, *, keep_last: int, keep_epochs: bool, orphan_grace_s: float = 3600.0,
-          dry_run: bool = False) -> PruneResult:
+          dry_run: bool = False, latest_name: str | None = None, orphans: bool = True) -> PruneResult:
     """Apply retention. Manifests go first, then their objects: a crash in between leaves an orphan
     object (removed later), never a manifest without its object. Objects without a manifest are
-    removed once older than `orphan_grace_s` (an upload may be in flight).
+    removed once older than `orphan_grace_s` (an upload may be in flight); `orphans=False` skips
+    looking for them (a listing of every object).
 
     Runs after every checkpoint, so it goes by key names (listings) and reads a manifest only to
-    ask whether a checkpoint that would go ends an epoch (`keep_epochs`)."""
+    ask whether a checkpoint that would go ends an epoch (`keep_epochs`). `latest_name`, where the
+    caller has just read or moved `latest`, saves reading it again."""
     names = [layout.name_of(info.key) for info in store.list(layout.manifest_prefix(job)) if info.key.endswith(".json")]
-    latest = read_latest(store, job)
+    if latest_name is None:
+        latest = read_latest(store, job)
+        latest_name = latest.name if latest else None
 
     def is_epoch_end(name: str) -> bool:
         try:
@@ -100,11 +104,11 @@ def prune(store: Store, job: str, *, keep_last: int, keep_epochs: bool, orphan_g
             return True  # unknown: keep it
 
     victims = retention_victims(names, keep_last, is_epoch_end if keep_epochs else None,
-                                {latest.name} if latest else set())
+                                {latest_name} if latest_name else set())
     result = PruneResult([layout.manifest_key(job, n) for n in victims], [layout.object_key(job, n) for n in victims])
     now = time.time()
     referenced = set(names)
-    for info in store.list(layout.ckpt_prefix(job)):
+    for info in store.list(layout.ckpt_prefix(job)) if orphans else ():
         if layout.name_of(info.key) not in referenced and now - info.last_modified > orphan_grace_s:
             result.objects.append(info.key)
     if not dry_run:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import IO
+import io
+from typing import IO, Any
 
 CHUNK = 8 * 1024 * 1024
 
@@ -17,19 +18,31 @@ def sha256_of(fileobj: IO[bytes]) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-class HashingWriter:
-    """The write side of a file that hashes and counts what passes through."""
+class HashingWriter(io.RawIOBase):
+    """The write side of a file that hashes and counts what passes through. Raw: wrapped in
+    `buffered()`, the many small writes of a serializer (torch.save writes five per tensor
+    around its bytes) reach it in batches, large ones as they are."""
 
     def __init__(self, out: IO[bytes]) -> None:
+        super().__init__()
         self.out, self.sha, self.size = out, hashlib.sha256(), 0
 
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.out.write(data)
+    def writable(self) -> bool:
+        return True
 
-    def flush(self) -> None:
-        self.out.flush()
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.sha.update(data)
+        self.size += n
+        self.out.write(data)
+        return n
 
     def tell(self) -> int:
         return self.size
+
+    def buffered(self, size: int = 16 * 1024) -> io.BufferedWriter:
+        """Flush it before reading the hash; it never closes what it wraps (no close())."""
+        return io.BufferedWriter(self, buffer_size=size)
+
+    def close(self) -> None:
+        pass  # the spool outlives the writer

@@ -46,7 +46,7 @@ class _Job:
     job: Job
     slot: int
     skeleton: bytes = b""
-    released: bool = False  # the uploader has serialized the slot (it may hold another snapshot now)
+    released: bool = False  # the uploader is done with the slot (it may hold another snapshot now)
     resent: bool = False  # sent again after the uploader died holding it (only once: it may be why)
 
     @property
@@ -56,8 +56,8 @@ class _Job:
 
 @dataclass
 class _Slots:
-    """Two shared-memory slots: one may be the uploader's (sent, not yet read back), the other
-    takes the next snapshot."""
+    """Two shared-memory slots: one may be the uploader's (sent, its upload not over: the upload
+    reads the tensors' bytes from the slot), the other takes the next snapshot."""
 
     slots: list[Any] = field(default_factory=lambda: [None, None])
     owner: list[int | None] = field(default_factory=lambda: [None, None])  # job id the uploader holds it for

@@ -68,7 +68,7 @@ class HostSlot:
         numel = 1
         for d in shape:
             numel *= int(d)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         off = _align(self.used)
         if self.buf is not None and off + nbytes <= self.capacity:
             self.used = off + nbytes
@@ -136,10 +136,15 @@ def dumps(obj: Any, slot: HostSlot) -> bytes:
     return buf.getvalue()
 
 
+def byte_views(buffers: list[torch.Tensor]) -> list[memoryview]:
+    """The slot's buffers as flat byte views (uploader side)."""
+    return [memoryview(b.numpy()).cast("B") for b in buffers]
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file: Any, buffers: list[torch.Tensor]) -> None:
         super().__init__(file)
-        self.bytes = [memoryview(b.numpy()).cast("B") for b in buffers]
+        self.bytes = byte_views(buffers)
         self.views: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Any:
@@ -155,7 +160,7 @@ class _Unpickler(pickle.Unpickler):
 
 def _view(mem: memoryview, off: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The tensor at byte `off` of `mem`, over a storage holding just its bytes (not a copy)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     span = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
     if span == 0:  # frombuffer refuses an empty buffer
         return torch.empty(shape, dtype=dtype)

@@ -3,10 +3,11 @@
 One per `CheckpointManager`, forked from the fork server (`elasticyolo.mp`) and run at a low
 priority. It receives a job (the snapshot's structure and the shared-memory slot holding its
 tensors, see `shipping.py`), rebuilds the checkpoint dict over the slot (with the EMA module
-around the EMA state, `format.assemble`), serializes it to an in-memory spool while hashing it
-(sha256, one pass) and releases the slot, then uploads it, verifies the stored object, writes
-the manifest (conditional put: never overwritten) and only then moves `latest.json`, then
-applies retention. Failed uploads are retried with backoff until they land
+around the EMA state, `format.assemble`), serializes it while hashing it (sha256, one pass) into
+a spool that refers to the tensors' bytes in the slot instead of copying them (`spool.py`),
+uploads it straight from there, verifies the stored object, releases the slot, writes the
+manifest (conditional put: never overwritten) and only then moves `latest.json`, then applies
+retention. Failed uploads are retried with backoff until they land
 or a newer job arrives. It tells the manager what happens (events and log records) over a pipe;
 training never waits for any of it.
 """
@@ -20,13 +21,13 @@ import random
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, Mapping, Sequence
 
 from elasticyolo import __version__ as ELASTICYOLO_VERSION
 from elasticyolo.checkpoint import catalog, layout
 from elasticyolo.checkpoint.hashing import HashingWriter, sha256_of
 from elasticyolo.checkpoint.layout import Manifest
-from elasticyolo.checkpoint.spool import MemorySpool
+from elasticyolo.checkpoint.spool import SegmentSpool
 from elasticyolo.checkpoint.stores import NotFound, PreconditionFailed, Store
 from elasticyolo.checkpoint.stores.retry import is_transient
 
@@ -72,7 +73,7 @@ class Job:
 class _Work:
     job: Job
     ckpt: Mapping[str, Any] | None
-    spool: Any = None  # serialized bytes, kept across retries
+    spool: SegmentSpool | None = None  # serialized bytes (mostly references into the slot), kept across retries
     sha256: str = ""
     size: int = 0
     fields: dict[str, Any] = field(default_factory=dict)
@@ -88,27 +89,27 @@ class Uploader:
         self.store, self.job_name, self.opts = store, layout.check_job(job_name), opts
         self.serialize = serializer or torch_serialize
         self.emit = emit
-        self._memory_spool = MemorySpool()
+        self._spool = SegmentSpool()
+        self.latest_name: str | None = None  # what `latest` points to after our last upload
+        self._orphans_checked = float("-inf")  # monotonic time of the last look for orphans
 
     def log(self, level: str, event: str, **fields: Any) -> None:
         self.emit("log", level, event, fields)
 
-    def serialize_once(self, work: _Work, expected_size: int) -> None:
-        """Serialize `work.ckpt` into a spool, hashing as it goes (one pass over the bytes, not
-        two); every attempt uploads these bytes. Up to `spool_max_bytes` (by `expected_size`) the
-        spool is this uploader's reused memory buffer, larger ones spill to a temp file."""
+    def serialize_once(self, work: _Work, slot: Sequence[memoryview]) -> None:
+        """Serialize `work.ckpt` into the spool, hashing as it goes (one pass over the bytes, not
+        two); every attempt uploads these bytes. Tensor bytes that lie in `slot` stay there (the
+        spool refers to them): the slot must not change until the spool is closed."""
         assert work.ckpt is not None and work.spool is None
         from elasticyolo.checkpoint.format import manifest_fields
 
         t0 = time.perf_counter()
         work.fields = manifest_fields(work.ckpt)
-        if expected_size <= self.opts.spool_max_bytes:
-            spool: Any = self._memory_spool.reset()
-        else:
-            spool = tempfile.SpooledTemporaryFile(max_size=self.opts.spool_max_bytes, prefix="elasticyolo-ckpt-")
+        spool = self._spool.reset(slot)
         writer = HashingWriter(spool)
-        self.serialize(work.ckpt, writer)  # type: ignore[arg-type]
-        spool.flush()
+        buffered = writer.buffered()
+        self.serialize(work.ckpt, buffered)
+        buffered.flush()
         work.sha256, work.size = writer.sha.hexdigest(), writer.size
         work.spool, work.ckpt = spool, None  # only the bytes are needed now
         work.serialize_s = time.perf_counter() - t0
@@ -145,9 +146,11 @@ class Uploader:
             # Someone (a newer rank 0 after a resize) landed a newer checkpoint while we uploaded.
             self.log("warning", "checkpoint_latest_kept", job=self.job_name, step=manifest.step,
                      latest_step=current.step)
+            self.latest_name = current.name
         else:
             self.store.put_bytes(layout.latest_key(self.job_name), manifest.to_json(),
                                  content_type="application/json")
+            self.latest_name = manifest.name
         return manifest
 
     def _verify(self, key: str, work: _Work) -> None:
@@ -168,9 +171,16 @@ class Uploader:
             raise VerifyError(f"{key} reads back with sha256 {sha[:12]}.., expected {work.sha256[:12]}..")
 
     def prune(self) -> None:
+        """After each landed checkpoint. Orphans (objects whose manifest was never written) are
+        looked for at most every quarter of their grace period: that is a listing of every
+        object, and they are rare (an uploader killed between object and manifest)."""
+        now = time.monotonic()
+        orphans = now - self._orphans_checked >= self.opts.orphan_grace_s / 4
         try:
             catalog.prune(self.store, self.job_name, keep_last=self.opts.keep_last, keep_epochs=self.opts.keep_epochs,
-                          orphan_grace_s=self.opts.orphan_grace_s)
+                          orphan_grace_s=self.opts.orphan_grace_s, latest_name=self.latest_name, orphans=orphans)
+            if orphans:
+                self._orphans_checked = now
         except (Exception, NotFound) as exc:  # noqa: BLE001 - retention is best effort
             self.log("warning", "checkpoint_prune_failed", job=self.job_name,
                      error=f"{type(exc).__name__}: {exc}"[:300])
@@ -180,16 +190,11 @@ class Uploader:
         return delay * (0.5 + random.random() / 2)
 
 
-def close_spool(work: _Work | None) -> None:
-    if work is not None and work.spool is not None:
-        if not isinstance(work.spool, MemorySpool):  # the memory spool is kept for the next one
-            try:
-                work.spool.close()
-            except OSError:
-                pass
-        work.spool = None
-    if work is not None:
-        work.ckpt = None
+def close_spool(work: _Work) -> None:
+    """Drop the job's bytes (the spool is kept for the next one): its slot can be released."""
+    if work.spool is not None:
+        work.spool.close()
+    work.spool = work.ckpt = None
 
 
 def yield_cpu(nice: int) -> None:
@@ -271,18 +276,18 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
         mapped.append(buffers)
         emit("started", job.id)
         work = _Work(job, None)
+        # The checkpoint's tensors are views of the slot and the spool refers to their bytes
+        # there, so the slot stays this job's until its upload is over (landed or given up);
+        # the manager's other slot takes snapshots meanwhile.
         try:
-            # Straight from the slot (the checkpoint's tensors are views of it), so it is held
-            # until serialized; the manager's other slot takes a snapshot meanwhile.
             work.ckpt = assemble(shipping.loads(skeleton, buffers))
-            up.serialize_once(work, expected_size=sum(b.numel() for b in buffers))
+            up.serialize_once(work, shipping.byte_views(buffers))
         except Exception as exc:  # noqa: BLE001 - a bad snapshot skips one checkpoint
             close_spool(work)
             emit("released", job.id)
             emit("dropped", job.id, f"snapshot not serializable: {_one_line(exc)}")
             msg = receive(None)
             continue
-        emit("released", job.id)  # the slot can take the next snapshot
         msg = None
         while True:
             try:
@@ -297,15 +302,18 @@ def main(conn: Any, store_bytes: bytes, job_name: str, opts: UploadOptions, seri
                 msg = receive(delay)
                 if msg is None:
                     continue  # retry
+                close_spool(work)
+                emit("released", job.id)  # before the outcome: the manager frees the slot first
                 if msg[0] == "job":
                     emit("dropped", job.id, "upload failed and a newer snapshot is waiting")
                 elif msg[1]:  # stop, abandoning this one
                     emit("dropped", job.id, "abandoned")
                 break
+            close_spool(work)
+            emit("released", job.id)
             emit("landed", job.id, manifest.to_json())
             up.prune()
             break
-        close_spool(work)
         if not frozen_after_first:
             gc.collect()
             gc.freeze()

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterable, Iterator
 
 from elasticyolo.checkpoint.stores.base import NotFound, ObjectInfo, PreconditionFailed
 from elasticyolo.errors import UserError
@@ -50,7 +50,7 @@ class FileStore:
         if write and not os.access(self.root, os.W_OK):
             raise UserError(f"{where}: {self.root} is not writable")
 
-    def _write(self, key: str, src: IO[bytes] | bytes, exclusive: bool) -> None:
+    def _write(self, key: str, src: IO[bytes] | bytes | Iterable[memoryview], exclusive: bool) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -58,8 +58,11 @@ class FileStore:
             with os.fdopen(fd, "wb") as out:
                 if isinstance(src, (bytes, bytearray, memoryview)):
                     out.write(src)
+                elif hasattr(src, "read"):
+                    shutil.copyfileobj(src, out, _CHUNK)  # type: ignore[arg-type]
                 else:
-                    shutil.copyfileobj(src, out, _CHUNK)
+                    for piece in src:
+                        out.write(piece)
                 out.flush()
                 os.fsync(out.fileno())
             if exclusive:
@@ -79,11 +82,11 @@ class FileStore:
 
     def put_file(self, key: str, fileobj: IO[bytes], size: int, *, metadata: dict[str, str] | None = None,
                  sha256: str | None = None) -> None:
-        # No metadata: the manager re-hashes local files instead. An in-memory spool is written
-        # from its buffer (no read copies).
+        # No metadata: the manager re-hashes local files instead. A spool is written from its
+        # pieces (views: no read copies).
         fileobj.seek(0)
-        view = getattr(fileobj, "getbuffer", None)
-        self._write(key, view()[:size] if view is not None else fileobj, exclusive=False)
+        views = getattr(fileobj, "views", None)
+        self._write(key, views() if views is not None else fileobj, exclusive=False)
 
     def get_bytes(self, key: str) -> bytes:
         try:

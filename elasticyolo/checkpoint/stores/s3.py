@@ -201,7 +201,14 @@ class S3Store:
 
         def _upload() -> None:
             fileobj.seek(0)
-            self.client.upload_fileobj(_NoClose(fileobj), self.bucket, self._key(key), ExtraArgs=extra, Config=cfg)
+            if size < self._tx["multipart_threshold"]:
+                # One PUT on this thread: the transfer manager would start a thread pool for it,
+                # and its reader wraps the body; the body's reads go to the socket as they are.
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=_NoClose(fileobj),
+                                       ContentLength=size, **extra)
+            else:
+                self.client.upload_fileobj(_NoClose(fileobj), self.bucket, self._key(key), ExtraArgs=extra,
+                                           Config=cfg)
 
         self._call(f"upload {key}", _upload)
 
@@ -288,7 +295,7 @@ class _NoClose:
     def __init__(self, f: IO[bytes]) -> None:
         self._f = f
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1) -> bytes | memoryview:
         return self._f.read(n)
 
     def seek(self, offset: int, whence: int = 0) -> int:
