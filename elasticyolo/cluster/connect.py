@@ -95,10 +95,13 @@ def resolve(args: argparse.Namespace, job_required: bool = True) -> dict[str, An
 
 def client_from_args(args: argparse.Namespace, job_required: bool = True,
                      retry_window: float | None = None) -> tuple[EtcdClient, JobKeys]:
-    """An etcd client and the job's keys from CLI flags/env/config. Raises UserError."""
+    """An etcd client and the job's keys from CLI flags/env/config. Raises UserError.
+    `retry_window` defaults to the client's, which rides out an etcd leader election (a member
+    whose leader died answers only once the survivors elect one): `status` during an etcd
+    member failure answers, a few seconds late, instead of failing."""
     v = resolve(args, job_required)
     keys = JobKeys(str(v["job"]))
     timeout = float(getattr(args, "etcd_timeout", 2.0) or 2.0)
     etcd = EtcdSettings.of(v["etcd"], ca=v["etcd_ca"], cert=v["etcd_cert"], key=v["etcd_key"], user=v["etcd_user"],
                            password=v["etcd_password"], password_file=v["etcd_password_file"])
-    return etcd.client(timeout=timeout, retry_window=timeout if retry_window is None else retry_window), keys
+    return etcd.client(timeout=timeout, retry_window=retry_window), keys
