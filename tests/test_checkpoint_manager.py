@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from elasticyolo.checkpoint import CheckpointManager, list_manifests, open_store, read_latest, restore_latest
 from elasticyolo.checkpoint.adaptive import YoungDaly
-from elasticyolo.testing.checkpoint_faults import CrashingSerializer, GatedSerializer, TruncatingStore
+from elasticyolo.testing.checkpoint_faults import CrashingSerializer, CrashingStore, GatedSerializer, TruncatingStore
 from elasticyolo.testing.servers import S3Server, free_port
 
 torch = pytest.importorskip("torch")
@@ -301,6 +301,20 @@ def test_uploader_dying_mid_serialization(tmp_path: Path) -> None:
         assert counter.read_text() == "0" and steps_of(store, "job") == [10]  # died twice, then let go
         assert mgr.maybe_save(30, 0, lambda: fake_ckpt(30))
         assert mgr.wait(30) and steps_of(store, "job") == [10, 30]
+
+
+def test_uploader_dying_mid_upload(tmp_path: Path) -> None:
+    # The upload reads the tensors' bytes from the slot, so the uploader holds it until the
+    # upload is over: a snapshot whose upload it died in is still there, sent again and lands.
+    counter = tmp_path / "crashes"
+    store = CrashingStore(tmp_path / "store", counter)
+    with fast_manager(store, "job") as mgr:
+        counter.write_text("1")
+        assert mgr.maybe_save(10, 0, lambda: fake_ckpt(10))
+        assert mgr.wait(30) and counter.read_text() == "0" and steps_of(store, "job") == [10]
+    got = restore_latest(store, "job")  # the whole object, its sha256 checked
+    payload = fake_ckpt(10)["elasticyolo"]["payload"]
+    assert got is not None and got[1].step == 10 and torch.equal(got[0]["elasticyolo"]["payload"], payload)
 
 
 def test_retention_goes_by_names_and_asks_only_about_victims() -> None:

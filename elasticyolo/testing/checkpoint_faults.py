@@ -49,6 +49,29 @@ class TruncatingStore(FileStore):
         super().put_file(key, fileobj, size, metadata=metadata, sha256=sha256)
 
 
+class CrashingStore(FileStore):
+    """Writes half the object, then kills its own (uploader) process, while the counter file
+    says so, counting it down by one each time."""
+
+    def __init__(self, root: Path, counter: Path) -> None:
+        super().__init__(f"file://{root}", str(root))
+        self.counter = str(counter)
+
+    def put_file(self, key: str, fileobj: Any, size: int, *, metadata: dict[str, str] | None = None,
+                 sha256: str | None = None) -> None:
+        import os
+        import signal
+
+        p = Path(self.counter)
+        bad = int(p.read_text()) if p.exists() else 0
+        if bad > 0:
+            p.write_text(str(bad - 1))
+            fileobj.seek(0)
+            self.put_bytes(key, bytes(fileobj.read(size // 2)))
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().put_file(key, fileobj, size, metadata=metadata, sha256=sha256)
+
+
 class RecordingSerializer(GatedSerializer):
     """The production serializer, behind a gate, writing the id of the process it runs in."""
 
