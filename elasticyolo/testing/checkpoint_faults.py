@@ -4,6 +4,8 @@ objects shared with the test."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import IO, Any, Mapping
@@ -26,9 +28,20 @@ class GatedSerializer:
         torch.save(dict(ckpt), out)
 
 
+def _count_down(counter: str) -> bool:
+    """True, and one less, while the counter file holds a positive number."""
+    p = Path(counter)
+    n = int(p.read_text()) if p.exists() else 0
+    if n > 0:
+        p.write_text(str(n - 1))
+    return n > 0
+
+
 class TruncatingStore(FileStore):
     """Writes half the object while the counter file says uploads are bad (a half-written
     checkpoint), counting it down by one each time."""
+
+    crash = False  # and then kill the (uploader) process it runs in
 
     def __init__(self, root: Path, counter: Path) -> None:
         super().__init__(f"file://{root}", str(root))
@@ -39,37 +52,20 @@ class TruncatingStore(FileStore):
 
     def put_file(self, key: str, fileobj: Any, size: int, *, metadata: dict[str, str] | None = None,
                  sha256: str | None = None) -> None:
-        p = Path(self.counter)
-        bad = int(p.read_text()) if p.exists() else 0
-        if bad > 0:
-            p.write_text(str(bad - 1))
+        if _count_down(self.counter):
             fileobj.seek(0)
-            self.put_bytes(key, fileobj.read(size // 2))
+            self.put_bytes(key, bytes(fileobj.read(size // 2)))
+            if self.crash:
+                os.kill(os.getpid(), signal.SIGKILL)
             return
         super().put_file(key, fileobj, size, metadata=metadata, sha256=sha256)
 
 
-class CrashingStore(FileStore):
+class CrashingStore(TruncatingStore):
     """Writes half the object, then kills its own (uploader) process, while the counter file
     says so, counting it down by one each time."""
 
-    def __init__(self, root: Path, counter: Path) -> None:
-        super().__init__(f"file://{root}", str(root))
-        self.counter = str(counter)
-
-    def put_file(self, key: str, fileobj: Any, size: int, *, metadata: dict[str, str] | None = None,
-                 sha256: str | None = None) -> None:
-        import os
-        import signal
-
-        p = Path(self.counter)
-        bad = int(p.read_text()) if p.exists() else 0
-        if bad > 0:
-            p.write_text(str(bad - 1))
-            fileobj.seek(0)
-            self.put_bytes(key, bytes(fileobj.read(size // 2)))
-            os.kill(os.getpid(), signal.SIGKILL)
-        super().put_file(key, fileobj, size, metadata=metadata, sha256=sha256)
+    crash = True
 
 
 class RecordingSerializer(GatedSerializer):
@@ -99,15 +95,9 @@ class CrashingSerializer:
         self.counter = str(counter)
 
     def __call__(self, ckpt: Mapping[str, Any], out: IO[bytes]) -> None:
-        import os
-        import signal
-
         import torch
 
-        p = Path(self.counter)
-        bad = int(p.read_text()) if p.exists() else 0
-        if bad > 0:
-            p.write_text(str(bad - 1))
+        if _count_down(self.counter):
             out.write(b"PK\x03\x04")  # part of a file, then gone
             os.kill(os.getpid(), signal.SIGKILL)
         torch.save(dict(ckpt), out)
