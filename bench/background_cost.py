@@ -24,9 +24,7 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 BUSY_LOOP = "x = 0\nwhile True:\n    for i in range(100000):\n        x ^= i\n"
 
@@ -46,22 +44,10 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OMP_WAIT_POLICY": a.omp_wait})
 
     import psutil
-    import torch
 
-    import elasticyolo.train  # noqa: F401
-    from elasticyolo.data.synth import SynthSpec, write_dataset
-    from elasticyolo.spec import TrainSpec
-    from elasticyolo.train.core import TrainCore, quiet_ultralytics
+    from checkpoint_stall import training_core  # the same training (this folder is on sys.path)
 
-    torch.set_num_threads(a.threads)
-    quiet_ultralytics()
-    tmp = Path(tempfile.mkdtemp(prefix="background-cost-"))
-    data = write_dataset(tmp / "data", SynthSpec(train=128, val=4, imgsz=a.imgsz, classes=2))
-    spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=100000", f"imgsz={a.imgsz}",
-                                 f"batch={a.batch}", f"nbs={a.batch}", "val=false", "close_mosaic=0",
-                                 "warmup_epochs=0", "optimizer=SGD", "workers=2"])
-    core = TrainCore(spec, work_dir=tmp / "run")
-    core.loader.wait_ready(120)
+    core, _ = training_core(a.imgsz, a.batch, 2, a.threads, "background-cost-")
     loop = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
     try:
         os.setpriority(os.PRIO_PROCESS, loop.pid, a.nice)
@@ -100,8 +86,9 @@ def main() -> None:
     print(f"training {stopped:.3f} s per {a.steps} steps with the loop stopped, {running_s:.3f} s with it running "
           f"(ratio {stopped / running_s:.3f}); the loop got {per_block_cpu:.2f} CPU-s per block at nice {a.nice}"
           f"{' (SCHED_IDLE)' if a.nice >= 19 else ''}, OMP_WAIT_POLICY {a.omp_wait}: "
-          f"training lost {(running_s - stopped) / max(per_block_cpu, 1e-9):.2f} s per CPU-second of background work "
-          f"({len(os.sched_getaffinity(0))} CPUs; ordinary work's floor on a busy host: 1/CPUs)")
+          + (f"training lost {(running_s - stopped) / per_block_cpu:.2f} s per CPU-second of background work "
+             f"({len(os.sched_getaffinity(0))} CPUs; ordinary work's floor on a busy host: 1/CPUs)"
+             if per_block_cpu >= 0.05 else "too little CPU time to price a CPU-second of it"))
 
 
 if __name__ == "__main__":

@@ -71,15 +71,7 @@ def main() -> None:
                          "uploader's own cost from the S3 server's (which is another machine in production)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the S3 server on the way out
-    torch.set_num_threads(args.threads)
-    quiet_ultralytics()
-    tmp = Path(tempfile.mkdtemp(prefix="ckpt-stall-"))
-    data = write_dataset(tmp / "data", SynthSpec(train=128, val=4, imgsz=args.imgsz, classes=2))
-    spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=100000", f"imgsz={args.imgsz}",
-                                 f"batch={args.batch}", f"nbs={args.batch}", "val=false", "close_mosaic=0",
-                                 "warmup_epochs=0", "optimizer=SGD", f"workers={args.workers}"])
-    core = TrainCore(spec, work_dir=tmp / "run")
-    core.loader.wait_ready(120)
+    core, tmp = training_core(args.imgsz, args.batch, args.workers, args.threads, "ckpt-stall-")
     with S3Server() as s3:
         # In production S3 is another machine; here moto shares the two cores with training, so
         # it runs at the lowest priority there is (which still does not make its work free).
@@ -175,6 +167,22 @@ def main() -> None:
             f"{name} {sec / (with_s * cpus):.2%}" for name, sec in cpu.items())
             + " (S3 runs elsewhere in production; `--store file` measures the node's own work alone)")
     core.close()
+
+
+def training_core(imgsz: int, batch: int, workers: int, threads: int, prefix: str) -> tuple[TrainCore, Path]:
+    """The training this bench and bench/background_cost.py measure (and its temp folder):
+    yolov8n on 128 generated images, SGD pinned, one micro-batch per optimizer step, no
+    validation, loader processes started."""
+    torch.set_num_threads(threads)
+    quiet_ultralytics()
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    data = write_dataset(tmp / "data", SynthSpec(train=128, val=4, imgsz=imgsz, classes=2))
+    spec = TrainSpec.from_pairs([f"data={data}", "model=yolov8n.yaml", "epochs=100000", f"imgsz={imgsz}",
+                                 f"batch={batch}", f"nbs={batch}", "val=false", "close_mosaic=0",
+                                 "warmup_epochs=0", "optimizer=SGD", f"workers={workers}"])
+    core = TrainCore(spec, work_dir=tmp / "run")
+    core.loader.wait_ready(120)
+    return core, tmp
 
 
 @dataclass
