@@ -3,6 +3,8 @@ same generated data, model, imgsz, batch, workers and cache, in one run.
 
 Each system trains in a fresh subprocess (so neither inherits the other's threads or caches):
 - elasticyolo: `TrainCore` + `TrainingLoop` with `workers=W` (and, for comparison, `workers=0`);
+  on a GPU its model's forward and backward replay as CUDA graphs (`train/graphs.py`) unless
+  `--cuda-graphs false`; `--eager-too` also runs it without them, to show what they give;
 - Ultralytics: `YOLO(model).train(...)` with its defaults apart from the shared settings
   (`val=False`, `plots=False` too, so no per-epoch validation or plotting on either side);
 - the data path alone: elasticyolo's loader with `workers=W` and `workers=0`, batches pulled
@@ -19,7 +21,7 @@ results.csv with polars, which is not installed here, when it saves last.pt: tha
 replaced by an empty dict. Both are printed in the output.
 
     .venv/bin/python bench/throughput.py --device cpu --imgsz 320 --batch 8 --workers 2 --epochs 3
-    .venv/bin/python bench/throughput.py --device 0 --imgsz 640 --batch 16 --workers 8 --epochs 5 [--cache ram]
+    .venv/bin/python bench/throughput.py --device 0 --imgsz 640 --batch 16 --workers 8 --epochs 5 [--cache ram] [--eager-too]
 
 `--data path/to/data.yaml` trains both systems on an existing dataset instead (generating 512
 images at 640 px takes about a minute on one core, so a GPU check generates them once, in parallel).
@@ -42,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- the measured runs (each in its own process) ------------------------------------------------
-def run_elasticyolo(a: argparse.Namespace, workers: int) -> dict[str, Any]:
+def run_elasticyolo(a: argparse.Namespace, workers: int, cuda_graphs: str | None = None) -> dict[str, Any]:
     import elasticyolo.train  # noqa: F401
     from elasticyolo.spec import TrainSpec
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
@@ -51,7 +53,7 @@ def run_elasticyolo(a: argparse.Namespace, workers: int) -> dict[str, Any]:
     quiet_ultralytics()
     spec = TrainSpec.from_pairs([f"data={a.data}", f"model={a.model}", f"epochs={a.epochs}", f"imgsz={a.imgsz}",
                                  f"batch={a.batch}", f"workers={workers}", f"cache={a.cache}", f"device={a.device}",
-                                 "val=false"])
+                                 "val=false", *_graphs_pairs(cuda_graphs or a.cuda_graphs)])
     core = TrainCore(spec, work_dir=Path(a.work) / f"ey-{workers}")
     marks: list[tuple[float, float, int]] = [(time.perf_counter(), 0.0, 0)]  # (t, data wait, images)
 
@@ -60,10 +62,22 @@ def run_elasticyolo(a: argparse.Namespace, workers: int) -> dict[str, Any]:
             marks.append((time.perf_counter(), core.data_wait_s, core.progress.epoch * core.sampler.num_samples))
 
     TrainingLoop(core, sinks=[sink]).run()
-    used = core.loader.workers
+    used, graphs = core.loader.workers, core.forward.live
     core.close()
-    return _summarize([(marks[i][0], marks[i + 1][0], marks[i + 1][1] - marks[i][1],
-                        marks[i + 1][2] - marks[i][2]) for i in range(len(marks) - 1)], workers=used)
+    import torch
+
+    reserved = torch.cuda.max_memory_reserved(core.device) if core.device.type == "cuda" else 0
+    return {**_summarize([(marks[i][0], marks[i + 1][0], marks[i + 1][1] - marks[i][1],
+                           marks[i + 1][2] - marks[i][2]) for i in range(len(marks) - 1)], workers=used),
+            "cuda_graphs": graphs, "gpu_reserved_gib": reserved / 2**30}
+
+
+def run_elasticyolo_eager(a: argparse.Namespace, workers: int) -> dict[str, Any]:
+    return run_elasticyolo(a, workers, cuda_graphs="false")
+
+
+def _graphs_pairs(value: str) -> list[str]:
+    return [] if value == "auto" else [f"cuda_graphs={value}"]
 
 
 def run_loader(a: argparse.Namespace, workers: int) -> dict[str, Any]:
@@ -137,7 +151,8 @@ def _summarize(windows: list[tuple[float, float, float, int]], workers: int) -> 
             "epochs": [round(n / (e - s), 2) for s, e, _, n in windows]}
 
 
-RUNS = {"elasticyolo": run_elasticyolo, "loader": run_loader, "ultralytics": run_ultralytics}
+RUNS = {"elasticyolo": run_elasticyolo, "elasticyolo-eager": run_elasticyolo_eager, "loader": run_loader,
+        "ultralytics": run_ultralytics}
 
 
 # ---- orchestration -----------------------------------------------------------------------------
@@ -145,7 +160,8 @@ def measure(a: argparse.Namespace, system: str, workers: int) -> dict[str, Any]:
     out = Path(a.work) / f"{system}-{workers}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, __file__, "--run", system, "--run-workers", str(workers), "--run-out", str(out),
            "--data", str(a.data), "--work", a.work, "--model", a.model, "--device", a.device, "--imgsz", str(a.imgsz),
-           "--batch", str(a.batch), "--epochs", str(a.epochs), "--cache", a.cache]
+           "--batch", str(a.batch), "--epochs", str(a.epochs), "--cache", a.cache,
+           "--cuda-graphs", a.cuda_graphs]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not out.exists():
@@ -164,6 +180,9 @@ def main() -> None:
                     help="generated training images; default 64 on CPU, 512 on a GPU")
     ap.add_argument("--cache", default="false", choices=["false", "ram", "disk"])
     ap.add_argument("--model", default="yolov8n.yaml")
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "true", "false"],
+                    help="elasticyolo's cuda_graphs= (auto: on for CUDA)")
+    ap.add_argument("--eager-too", action="store_true", help="also run elasticyolo with cuda_graphs=false")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats of elasticyolo's runs (medians)")
     ap.add_argument("--skip-ultralytics", action="store_true")
     ap.add_argument("--skip-baselines", action="store_true", help="no workers=0 and loader-only runs")
@@ -209,11 +228,14 @@ def main() -> None:
           f"{source}, {a.epochs} epochs (the first is warm-up)", flush=True)
 
     ours: dict[int, list[dict[str, Any]]] = {}
+    eager: list[dict[str, Any]] = []
     loader: dict[int, list[dict[str, Any]]] = {}
     worker_counts = [a.workers] + ([0] if not a.skip_baselines and a.workers != 0 else [])
     for _ in range(a.repeat):
         for w in worker_counts:
             ours.setdefault(w, []).append(measure(a, "elasticyolo", w))
+        if a.eager_too:
+            eager.append(measure(a, "elasticyolo-eager", a.workers))
         if not a.skip_baselines:
             for w in worker_counts:
                 loader.setdefault(w, []).append(measure(a, "loader", w))
@@ -223,8 +245,9 @@ def main() -> None:
         return statistics.median(r[k] for r in rs)
 
     print(f"\n{'system':<34} {'workers':>8} {'img/s':>9} {'data wait':>10}  per epoch img/s")
-    for w, rs in ours.items():
-        print(f"{'elasticyolo TrainingLoop':<34} {rs[0]['workers']:>8} {med(rs, 'img_s'):>9.2f} "
+    for name, rs in [*((f"elasticyolo TrainingLoop{' (graphs)' if rs[0]['cuda_graphs'] else ''}", rs)
+                       for rs in ours.values()), *([("elasticyolo, cuda_graphs=false", eager)] if eager else [])]:
+        print(f"{name:<34} {rs[0]['workers']:>8} {med(rs, 'img_s'):>9.2f} "
               f"{100 * med(rs, 'wait_share'):>9.2f}%  {[r['epochs'] for r in rs]}")
     if ul is not None:
         print(f"{'Ultralytics YOLO().train()':<34} {ul['workers']:>8} {ul['img_s']:>9.2f} "
@@ -241,6 +264,14 @@ def main() -> None:
               f"{'  (target >= 1.0; >= 1.5 with --cache ram)' if gpu else ''}{note}")
         print("Ultralytics offline: AMP check skipped (amp stays on, as Ultralytics does when it cannot download "
               "yolo11n.pt); results.csv read replaced (polars is not installed)")
+    print(f"elasticyolo CUDA graphs: {'replayed' if ours[w][0]['cuda_graphs'] else 'off (eager)'}")
+    if eager:
+        ratios = [x["img_s"] / y["img_s"] for x, y in zip(ours[w], eager)]
+        print(f"elasticyolo / elasticyolo cuda_graphs=false = {statistics.median(ratios):.3f}"
+              f"  per repeat {[round(r, 3) for r in ratios]}")
+        if gpu:  # the graphs keep their activations' memory; an epoch's short last batch runs eagerly beside it
+            print(f"elasticyolo peak GPU memory reserved: {med(ours[w], 'gpu_reserved_gib'):.2f} GiB, "
+                  f"{med(eager, 'gpu_reserved_gib'):.2f} GiB with cuda_graphs=false")
     print(f"elasticyolo data wait with workers={w}: {100 * med(ours[w], 'wait_share'):.2f}% of wall time"
           f"{'' if gpu else '  (target <= 1 % on CPU)'}")
     if 0 in ours and w:

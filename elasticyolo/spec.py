@@ -53,6 +53,8 @@ class TrainSpec(S3Settings):
     amp: bool = True
     channels_last: bool | None = Field(None, description="train in NHWC memory layout; unset: on for CUDA, as "
                                                          "Ultralytics (about half the GPU time of NCHW)")
+    cuda_graphs: bool | None = Field(None, description="replay the model's forward and backward as CUDA graphs "
+                                                       "(fewer kernel launches per step); unset: on for CUDA")
     device: str = ""
     val: bool = True
     hyp: dict[str, float] = Field(default_factory=dict, description="Ultralytics augmentation/loss keys")

@@ -32,6 +32,7 @@ from elasticyolo.spec import TrainSpec
 from elasticyolo.train.loader import BatchLoader, LoaderStats, Request, loader_workers
 from elasticyolo.train.loader_worker import CLOSED_MOSAIC
 from elasticyolo.train.offline import disable_ultralytics_network
+from elasticyolo.train.graphs import GraphedForward, wants_cuda_graphs
 from elasticyolo.train.layout import apply_layout, wants_channels_last
 from elasticyolo.train.policy import Scaling, resize_ramp, scaling_for
 from elasticyolo.train.sampler import ElasticSampler
@@ -203,6 +204,9 @@ class TrainCore:
         self._val_runs = 0
         self.amp = bool(spec.amp and self.device.type == "cuda")
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
+        # The model's training forward (and so its backward): CUDA graphs for full micro-batches.
+        self.forward = GraphedForward(self.model, enabled=wants_cuda_graphs(self.device, spec.cuda_graphs),
+                                      amp=self.amp, shape=(spec.batch, 3, spec.imgsz, spec.imgsz))
 
         # Optimizer chosen once for the reference world (so it never changes on a resize).
         base = scaling_for(spec.policy, spec.ref_world, batch=spec.batch, nbs=spec.nbs, ref_world=spec.ref_world)
@@ -348,7 +352,7 @@ class TrainCore:
                 step_indices.extend(batch["indices"])  # what was really loaded, for the trace
                 batch = self.preprocess(batch)
                 with torch.autocast(self.device.type, enabled=self.amp):
-                    loss, items = self.model(batch)
+                    loss, items = self.model.loss(batch, self.forward(batch["img"]))
                     # Ultralytics: the loss is summed over images; multiplying by the world size
                     # makes the averaging all-reduce a sum over the global batch, as with its DDP.
                     loss = loss.sum() * self.world
@@ -380,7 +384,7 @@ class TrainCore:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=10.0)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.forward.live)  # a graph adds into existing gradients
         self.ema.update(self.model)
 
     def warm_up(self) -> None:
@@ -409,7 +413,7 @@ class TrainCore:
         }
         self.model.train()
         with torch.autocast(self.device.type, enabled=self.amp):
-            loss, _ = self.model(batch)
+            loss, _ = self.model.loss(batch, self.forward(batch["img"]))  # captures the CUDA graphs
         loss.sum().backward()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
