@@ -82,7 +82,7 @@ def test_without_existing_gradients_a_replay_overwrites_the_accumulated_one(spec
     stand-in's buffers. Without it, autograd adopts the replay's buffer as `.grad` and the
     second micro-batch's replay writes over the first one's gradient."""
     core = TrainCore(spec, work_dir=tmp_path / "h")
-    replay = static_buffer_capture(torch.nn.Sequential(core.model), torch.rand(BATCH, 3, IMGSZ, IMGSZ), False)
+    replay = static_buffer_capture(torch.nn.Sequential(core.model), torch.rand(BATCH, 3, IMGSZ, IMGSZ))
     trainable = [p for p in core.model.parameters() if p.requires_grad]
     x1, x2 = torch.rand(BATCH, 3, IMGSZ, IMGSZ), torch.rand(BATCH, 3, IMGSZ, IMGSZ)
 
@@ -115,8 +115,8 @@ def test_a_layout_change_captures_again(spec: TrainSpec, tmp_path: Path) -> None
 def test_short_batches_and_eval_run_eagerly(spec: TrainSpec, tmp_path: Path) -> None:
     calls: list[tuple[int, ...]] = []
 
-    def counting(body, sample, amp):
-        replay = static_buffer_capture(body, sample, amp)
+    def counting(body, sample):
+        replay = static_buffer_capture(body, sample)
 
         def call(x):
             calls.append(tuple(x.shape))
@@ -139,10 +139,10 @@ def test_short_batches_and_eval_run_eagerly(spec: TrainSpec, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("fault", ["raises", "disagrees"])
 def test_a_failed_or_wrong_capture_trains_eagerly(spec: TrainSpec, tmp_path: Path, fault: str) -> None:
-    def broken(body, sample, amp):
+    def broken(body, sample):
         if fault == "raises":
             raise RuntimeError("operation not permitted when stream is capturing")
-        replay = static_buffer_capture(body, sample, amp)
+        replay = static_buffer_capture(body, sample)
         return lambda x: torch.utils._pytree.tree_map(lambda t: t * 1.5, replay(x))
 
     eager, core = TrainCore(spec, work_dir=tmp_path / "e"), TrainCore(spec, work_dir=tmp_path / "b")

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 WARMUP_PASSES = 3  # make_graphed_callables' num_warmup_iters default
 
 
-def static_buffer_capture(body: nn.Module, sample: torch.Tensor, amp: bool) -> Callable[[torch.Tensor], Any]:
+def static_buffer_capture(body: nn.Module, sample: torch.Tensor) -> Callable[[torch.Tensor], Any]:
     params = tuple(body.parameters())
     with torch.no_grad():
         for _ in range(WARMUP_PASSES):

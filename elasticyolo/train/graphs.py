@@ -15,7 +15,7 @@ What a replay assumes, and how it is kept true here:
   compares their addresses and captures again after a move. `load_state_dict` copies in place.
 - Gradients that already exist: the backward replay returns its gradients in its own static
   buffers, and autograd *adopts* such a tensor as `.grad` when `.grad` is None. The next replay
-  would then overwrite the gradient accumulated so far. Every graphed call first gives each
+  would then overwrite the gradient accumulated so far (pytorch#181723, open). Every graphed call first gives each
   trainable parameter a `.grad`, so autograd adds into it instead; the core zeroes gradients in
   place while a graph is live.
 - Capture runs a few warm-up passes, which move BatchNorm's running statistics: they are put back.
@@ -46,7 +46,7 @@ Preds = Any  # the model's training output: Ultralytics' dict of boxes, scores a
 
 
 class Capture(Protocol):
-    def __call__(self, body: nn.Module, sample: torch.Tensor, amp: bool) -> Callable[[torch.Tensor], Preds]: ...
+    def __call__(self, body: nn.Module, sample: torch.Tensor) -> Callable[[torch.Tensor], Preds]: ...
 
 
 def wants_cuda_graphs(device: torch.device, requested: bool | None) -> bool:
@@ -58,24 +58,29 @@ def wants_cuda_graphs(device: torch.device, requested: bool | None) -> bool:
 
 class _Body(nn.Module):
     """The model's training forward alone (no loss), as the module to capture. A wrapper, so the
-    capture replaces this module's `forward` and the model itself stays untouched."""
+    capture replaces this module's `forward` and the model itself stays untouched.
 
-    def __init__(self, model: nn.Module) -> None:
+    Autocast is entered here, inside what is captured, and not around the capture: the backward
+    graph is then recorded without autocast, as eager training runs its backward (pytorch#120930).
+    Without its weight-cast cache, which would keep capture-time casts across replays (torch
+    refuses it)."""
+
+    def __init__(self, model: nn.Module, amp: bool) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.amp = model, amp
 
     def forward(self, img: torch.Tensor) -> Preds:
-        return self.model(img)
+        with torch.autocast(img.device.type, enabled=self.amp, cache_enabled=False):
+            return self.model(img)
 
 
-def capture_cuda(body: nn.Module, sample: torch.Tensor, amp: bool) -> Callable[[torch.Tensor], Preds]:
+def capture_cuda(body: nn.Module, sample: torch.Tensor) -> Callable[[torch.Tensor], Preds]:
     options: dict[str, Any] = {"allow_unused_input": True}
     if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
         # Only this thread's calls are checked: a snapshot copy or a collective on another thread
         # during a (re)capture must not fail there.
         options["capture_error_mode"] = "thread_local"
-    # Autocast's weight-cast cache would keep capture-time casts alive across replays: torch refuses it.
-    with torch.autocast("cuda", enabled=amp, cache_enabled=False):
+    with torch.autocast("cuda", enabled=False):  # the step's own autocast stays outside (see _Body)
         graphed = torch.cuda.make_graphed_callables(body, (sample,), **options)
     torch.cuda.synchronize(sample.device)
     return graphed  # its forward now replays while it is in training mode (it always is)
@@ -126,7 +131,7 @@ class GraphedForward:
         saved = _ModelState(self.model)
         try:
             # A fresh wrapper each time: a captured one's forward already replays the old graphs.
-            graphed = self._capture(_Body(self.model), sample.detach().clone(), self.amp)
+            graphed = self._capture(_Body(self.model, self.amp), sample.detach().clone())
             saved.restore()  # the capture's warm-up passes moved BatchNorm's statistics
             mismatch = self._check(graphed, sample)
         except Exception as exc:  # noqa: BLE001 - any failure to capture means eager training, not a crash
