@@ -20,9 +20,11 @@ What a replay assumes, and how it is kept true here:
   place while a graph is live.
 - Capture runs a few warm-up passes, which move BatchNorm's running statistics: they are put back.
 
-Memory: the graphs keep the forward's activations reserved in their own pool, and a short batch
-runs eagerly beside them, so an epoch's end can hold up to twice the activations of one
-micro-batch (`bench/throughput.py` prints the peak with and without graphs).
+Memory: the graphs keep the forward's activations reserved in their own pool, and eager passes
+(the capture's check, an epoch's short last batch) use the ordinary pool beside it: up to twice
+one micro-batch's activations. The check needs that much right after capture, so where it does
+not fit the capture fails and training stays eager (`bench/throughput.py` prints the peak with
+and without graphs).
 
 A capture checks itself once against the eager model on the same input (outputs, gradients, and
 two backward passes accumulating to twice one). Any error or mismatch logs why and trains eagerly.
