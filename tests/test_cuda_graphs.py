@@ -2,8 +2,9 @@
 stand-in capture with the real one's buffer semantics (`testing/static_graphs.py`): the training
 it gives equals eager training, gradients accumulate across micro-batches, BatchNorm's statistics
 survive the capture, a layout change captures again, and a capture that fails or disagrees with
-the eager model leaves training eager. Whether real graphs pay is `bench/throughput.py`'s
-question, on a GPU."""
+the eager model leaves training eager. What a CPU can say about the real capture: the captured
+part makes no host-synchronising call (one would make capture fail, and training eager). Whether
+real graphs pay is `bench/throughput.py`'s question, on a GPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 torch = pytest.importorskip("torch")
 
@@ -24,6 +26,43 @@ from elasticyolo.train.graphs import GraphedForward, wants_cuda_graphs  # noqa: 
 from elasticyolo.train.layout import apply_layout  # noqa: E402
 
 IMGSZ, BATCH = 64, 2
+
+# Operators that read a device value on the host (or size their output by one): each would stop
+# a CUDA graph capture.
+HOST_SYNCS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
+              "is_nonzero", "equal", "repeat_interleave", "bincount", "histc"}
+
+
+class SyncSpy(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in HOST_SYNCS:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model", ["yolov8n.yaml", "yolo11n.yaml", "yolo26n.yaml"])
+def test_the_captured_part_never_waits_for_the_device(model: str) -> None:
+    from ultralytics.cfg import get_cfg
+    from ultralytics.nn.tasks import DetectionModel
+
+    net = DetectionModel(model, nc=3, verbose=False)
+    net.args = get_cfg()
+    net.train()
+    x = torch.rand(BATCH, 3, IMGSZ, IMGSZ)
+    with SyncSpy() as spy:
+        outs = [t for t in torch.utils._pytree.tree_flatten(net(x))[0] if t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    assert spy.seen == []
+    # The control: the loss, which stays eager, does wait (its target assignment sizes tensors by the boxes).
+    batch = {"img": x, "batch_idx": torch.tensor([0.0, 1.0]), "cls": torch.zeros(2, 1),
+             "bboxes": torch.tensor([[0.5, 0.5, 0.3, 0.3]] * 2)}
+    with SyncSpy() as spy:
+        net.loss(batch, net(x))
+    assert spy.seen
 
 
 def test_the_switch() -> None:
