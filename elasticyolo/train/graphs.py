@@ -33,16 +33,23 @@ two backward passes accumulating to twice one). Any error or mismatch logs why a
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Callable, Protocol
 
-import structlog
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from elasticyolo.errors import UserError
+from elasticyolo.log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger("elasticyolo.graphs")
+
+CAPTURE_LOCK = threading.Lock()
+"""Held during a capture, and by the loader's thread around pinning a batch: pinned host memory is
+allocated and its events queried through CUDA calls that a capture in torch's default ("global")
+mode fails on when another thread makes them. Torch versions that take `capture_error_mode`
+capture in "thread_local" mode as well."""
 
 Preds = Any  # the model's training output: Ultralytics' dict of boxes, scores and feature maps
 
@@ -82,7 +89,7 @@ def capture_cuda(body: nn.Module, sample: torch.Tensor) -> Callable[[torch.Tenso
         # Only this thread's calls are checked: a snapshot copy or a collective on another thread
         # during a (re)capture must not fail there.
         options["capture_error_mode"] = "thread_local"
-    with torch.autocast("cuda", enabled=False):  # the step's own autocast stays outside (see _Body)
+    with CAPTURE_LOCK, torch.autocast("cuda", enabled=False):  # the step's own autocast stays outside (_Body)
         graphed = torch.cuda.make_graphed_callables(body, (sample,), **options)
     torch.cuda.synchronize(sample.device)
     return graphed  # its forward now replays while it is in training mode (it always is)

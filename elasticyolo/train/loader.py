@@ -38,6 +38,7 @@ import torch
 
 from elasticyolo.exit_hooks import at_exit
 from elasticyolo.log import get_logger
+from elasticyolo.train.graphs import CAPTURE_LOCK
 from elasticyolo.train.loader_worker import BatchBuilder, request_seed
 
 log = get_logger("elasticyolo.loader")
@@ -380,4 +381,5 @@ def _close_at_exit(ref: "weakref.ref[BatchLoader]") -> None:
 
 
 def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    with CAPTURE_LOCK:  # never beside a CUDA graph capture (train/graphs.py)
+        return {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
