@@ -21,7 +21,10 @@ results.csv with polars, which is not installed here, when it saves last.pt: tha
 replaced by an empty dict. Both are printed in the output.
 
     .venv/bin/python bench/throughput.py --device cpu --imgsz 320 --batch 8 --workers 2 --epochs 3
-    .venv/bin/python bench/throughput.py --device 0 --imgsz 640 --batch 16 --workers 8 --epochs 5 [--cache ram] [--eager-too]
+    .venv/bin/python bench/throughput.py --device 0 --imgsz 640 --batch 16 --workers 8 --epochs 5 \
+        [--cache ram] [--eager-too]
+
+On a lent GPU machine, which lacks our packages, `bench/gpu_check.sh` runs it in one call.
 
 `--data path/to/data.yaml` trains both systems on an existing dataset instead (generating 512
 images at 640 px takes about a minute on one core, so a GPU check generates them once, in parallel).

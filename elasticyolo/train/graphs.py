@@ -15,9 +15,9 @@ What a replay assumes, and how it is kept true here:
   compares their addresses and captures again after a move. `load_state_dict` copies in place.
 - Gradients that already exist: the backward replay returns its gradients in its own static
   buffers, and autograd *adopts* such a tensor as `.grad` when `.grad` is None. The next replay
-  would then overwrite the gradient accumulated so far (pytorch#181723, open). Every graphed call first gives each
-  trainable parameter a `.grad`, so autograd adds into it instead; the core zeroes gradients in
-  place while a graph is live.
+  would then overwrite the gradient accumulated so far (pytorch#181723, open). Every graphed
+  call first gives each trainable parameter a `.grad`, so autograd adds into it instead; the
+  core zeroes gradients in place while a graph is live.
 - Capture runs a few warm-up passes, which move BatchNorm's running statistics: they are put back.
 
 Memory: the graphs keep the forward's activations reserved in their own pool, and eager passes
@@ -26,7 +26,7 @@ one micro-batch's activations. The check needs that much right after capture, so
 not fit the capture fails and training stays eager (`bench/throughput.py` prints the peak with
 and without graphs).
 
-A capture checks itself once against the eager model on the same input (outputs, gradients, and
+A capture checks itself once against the eager model on a random input (outputs, gradients, and
 two backward passes accumulating to twice one). Any error or mismatch logs why and trains eagerly.
 """
 
