@@ -8,7 +8,8 @@
 # `run` installs the wheels into /tmp/site, generates IMAGES (default 512) images at 640 px once,
 # in parallel, and runs the throughput bench twice (yolov8n, imgsz 640, batch 16, workers 8,
 # 4 epochs, the first warm-up): with `--cache ram` and with no cache, both against Ultralytics'
-# trainer with the same setting, and elasticyolo with and without CUDA graphs (`--eager-too`).
+# trainer with the same setting, and elasticyolo with and without CUDA graphs (`--eager-too`); the
+# second run also profiles 8 steps each way (GPU busy share, kernel launches per micro-batch).
 # Each run is time-boxed; the summary lines are printed last. A smoke test here, on the CPU:
 #   INSTALL=0 PY=.venv/bin/python DEVICE=cpu IMGSZ=64 bench/gpu_check.sh run 32
 set -uo pipefail
@@ -62,10 +63,12 @@ text = (root / "data.yaml").read_text().replace(str(done[0]), str(root))
 print(f"gpu_check: {images} images at {imgsz} px in {root}")
 EOF
     for cache in ram false; do
-        timeout 240 "$py" bench/throughput.py --device "$device" --imgsz "$imgsz" --data /tmp/gpu-check-data/data.yaml --epochs 4 \
-            --cache "$cache" --eager-too --skip-baselines > "$out/throughput-$cache.txt" 2>&1
+        profile=$([ "$cache" = false ] && echo 8 || echo 0)  # once: where a step's time goes, graphs and eager
+        timeout 300 "$py" bench/throughput.py --device "$device" --imgsz "$imgsz" --data /tmp/gpu-check-data/data.yaml \
+            --epochs 4 --cache "$cache" --eager-too --skip-baselines --profile "$profile" > "$out/throughput-$cache.txt" 2>&1
         echo "== cache=$cache (rc $?) =="
-        grep -E "^(throughput|elasticyolo|Ultralytics YOLO)" "$out/throughput-$cache.txt" || tail -20 "$out/throughput-$cache.txt"
+        grep -E "^(throughput|elasticyolo|Ultralytics YOLO|profile)" "$out/throughput-$cache.txt" \
+            || tail -20 "$out/throughput-$cache.txt"
     done
     ;;
 *)

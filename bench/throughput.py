@@ -83,6 +83,65 @@ def _graphs_pairs(value: str) -> list[str]:
     return [] if value == "auto" else [f"cuda_graphs={value}"]
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def run_profile(a: argparse.Namespace, workers: int, cuda_graphs: str) -> dict[str, Any]:
+    """Where a step's time goes on a GPU (torch.profiler over `--profile` optimizer steps after as
+    many unprofiled ones): the share of wall time the GPU ran kernels, and launches per micro-batch."""
+    import elasticyolo.train  # noqa: F401
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from elasticyolo.spec import TrainSpec
+    from elasticyolo.train.core import TrainCore, quiet_ultralytics
+
+    quiet_ultralytics()
+    spec = TrainSpec.from_pairs([f"data={a.data}", f"model={a.model}", f"epochs={a.epochs}", f"imgsz={a.imgsz}",
+                                 f"batch={a.batch}", f"workers={workers}", f"cache={a.cache}", f"device={a.device}",
+                                 "val=false", *_graphs_pairs(cuda_graphs)])
+    core = TrainCore(spec, work_dir=Path(a.work) / f"profile-{cuda_graphs}")
+
+    def steps(n: int) -> int:
+        micro = 0
+        for _ in range(n):
+            core.end_epoch_if_done()
+            if core.finished:
+                raise SystemExit(f"--profile {a.profile}: training ended first (raise --epochs)")
+            micro += core.train_step().micro_batches
+        return micro
+
+    cuda = core.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(core.device)
+
+    steps(a.profile)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t0 = time.perf_counter()
+        micro = steps(a.profile)
+        sync()
+        wall = time.perf_counter() - t0
+    rows = prof.key_averages()
+    busy_us = sum(r.self_device_time_total for r in rows if r.device_type == DeviceType.CUDA)
+    launches = sum(r.count for r in rows if r.key in LAUNCHES)
+    live = core.forward.live
+    core.close()
+    return {"gpu_busy": busy_us / 1e6 / wall, "launches_per_micro": launches / max(micro, 1),
+            "ms_per_micro": 1000 * wall / max(micro, 1), "cuda_graphs": live}
+
+
+def run_profile_graphs(a: argparse.Namespace, workers: int) -> dict[str, Any]:
+    return run_profile(a, workers, "auto")
+
+
+def run_profile_eager(a: argparse.Namespace, workers: int) -> dict[str, Any]:
+    return run_profile(a, workers, "false")
+
+
 def run_loader(a: argparse.Namespace, workers: int) -> dict[str, Any]:
     import elasticyolo.train  # noqa: F401
     from elasticyolo.spec import TrainSpec
@@ -155,7 +214,7 @@ def _summarize(windows: list[tuple[float, float, float, int]], workers: int) -> 
 
 
 RUNS = {"elasticyolo": run_elasticyolo, "elasticyolo-eager": run_elasticyolo_eager, "loader": run_loader,
-        "ultralytics": run_ultralytics}
+        "ultralytics": run_ultralytics, "profile-graphs": run_profile_graphs, "profile-eager": run_profile_eager}
 
 
 # ---- orchestration -----------------------------------------------------------------------------
@@ -164,7 +223,7 @@ def measure(a: argparse.Namespace, system: str, workers: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--run", system, "--run-workers", str(workers), "--run-out", str(out),
            "--data", str(a.data), "--work", a.work, "--model", a.model, "--device", a.device, "--imgsz", str(a.imgsz),
            "--batch", str(a.batch), "--epochs", str(a.epochs), "--cache", a.cache,
-           "--cuda-graphs", a.cuda_graphs]
+           "--cuda-graphs", a.cuda_graphs, "--profile", str(a.profile)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not out.exists():
@@ -186,6 +245,9 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "true", "false"],
                     help="elasticyolo's cuda_graphs= (auto: on for CUDA)")
     ap.add_argument("--eager-too", action="store_true", help="also run elasticyolo with cuda_graphs=false")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="GPU: also profile STEPS optimizer steps of elasticyolo, with and without CUDA graphs "
+                         "(GPU busy share, kernel launches per micro-batch)")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats of elasticyolo's runs (medians)")
     ap.add_argument("--skip-ultralytics", action="store_true")
     ap.add_argument("--skip-baselines", action="store_true", help="no workers=0 and loader-only runs")
@@ -243,6 +305,7 @@ def main() -> None:
             for w in worker_counts:
                 loader.setdefault(w, []).append(measure(a, "loader", w))
     ul = None if a.skip_ultralytics else measure(a, "ultralytics", a.workers)
+    profiles = {k: measure(a, f"profile-{k}", a.workers) for k in ("graphs", "eager")} if a.profile and gpu else {}
 
     def med(rs: list[dict[str, Any]], k: str) -> float:
         return statistics.median(r[k] for r in rs)
@@ -275,6 +338,10 @@ def main() -> None:
         if gpu:  # the graphs keep their activations' memory; an epoch's short last batch runs eagerly beside it
             print(f"elasticyolo peak GPU memory reserved: {med(ours[w], 'gpu_reserved_gib'):.2f} GiB, "
                   f"{med(eager, 'gpu_reserved_gib'):.2f} GiB with cuda_graphs=false")
+    for k, pr in profiles.items():
+        print(f"profile, {k}{'' if pr['cuda_graphs'] or k == 'eager' else ' (capture failed: eager)'}: "
+              f"GPU busy {100 * pr['gpu_busy']:.1f}% of wall, {pr['launches_per_micro']:.0f} launches and "
+              f"{pr['ms_per_micro']:.1f} ms per micro-batch ({a.profile} steps under torch.profiler)")
     print(f"elasticyolo data wait with workers={w}: {100 * med(ours[w], 'wait_share'):.2f}% of wall time"
           f"{'' if gpu else '  (target <= 1 % on CPU)'}")
     if 0 in ours and w:
