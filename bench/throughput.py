@@ -47,16 +47,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- the measured runs (each in its own process) ------------------------------------------------
+def _spec(a: argparse.Namespace, workers: int, *extra: str, device: str | None = None) -> Any:
+    """elasticyolo's job spec for a run: the shared settings, no validation."""
+    from elasticyolo.spec import TrainSpec
+
+    return TrainSpec.from_pairs([f"data={a.data}", f"model={a.model}", f"epochs={a.epochs}", f"imgsz={a.imgsz}",
+                                 f"batch={a.batch}", f"workers={workers}", f"cache={a.cache}",
+                                 f"device={device or a.device}", "val=false", *extra])
+
+
 def run_elasticyolo(a: argparse.Namespace, workers: int, cuda_graphs: str | None = None) -> dict[str, Any]:
     import elasticyolo.train  # noqa: F401
-    from elasticyolo.spec import TrainSpec
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
     from elasticyolo.train.loop import TrainingLoop
 
     quiet_ultralytics()
-    spec = TrainSpec.from_pairs([f"data={a.data}", f"model={a.model}", f"epochs={a.epochs}", f"imgsz={a.imgsz}",
-                                 f"batch={a.batch}", f"workers={workers}", f"cache={a.cache}", f"device={a.device}",
-                                 "val=false", *_graphs_pairs(cuda_graphs or a.cuda_graphs)])
+    spec = _spec(a, workers, *_graphs_pairs(cuda_graphs or a.cuda_graphs))
     core = TrainCore(spec, work_dir=Path(a.work) / f"ey-{workers}")
     marks: list[tuple[float, float, int]] = [(time.perf_counter(), 0.0, 0)]  # (t, data wait, images)
 
@@ -94,14 +100,10 @@ def run_profile(a: argparse.Namespace, workers: int, cuda_graphs: str) -> dict[s
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from elasticyolo.spec import TrainSpec
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
 
     quiet_ultralytics()
-    spec = TrainSpec.from_pairs([f"data={a.data}", f"model={a.model}", f"epochs={a.epochs}", f"imgsz={a.imgsz}",
-                                 f"batch={a.batch}", f"workers={workers}", f"cache={a.cache}", f"device={a.device}",
-                                 "val=false", *_graphs_pairs(cuda_graphs)])
-    core = TrainCore(spec, work_dir=Path(a.work) / f"profile-{cuda_graphs}")
+    core = TrainCore(_spec(a, workers, *_graphs_pairs(cuda_graphs)), work_dir=Path(a.work) / f"profile-{cuda_graphs}")
 
     def steps(n: int) -> int:
         micro = 0
@@ -144,14 +146,10 @@ def run_profile_eager(a: argparse.Namespace, workers: int) -> dict[str, Any]:
 
 def run_loader(a: argparse.Namespace, workers: int) -> dict[str, Any]:
     import elasticyolo.train  # noqa: F401
-    from elasticyolo.spec import TrainSpec
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
 
     quiet_ultralytics()
-    spec = TrainSpec.from_pairs([f"data={a.data}", f"model={a.model}", f"epochs={a.epochs}", f"imgsz={a.imgsz}",
-                                 f"batch={a.batch}", f"workers={workers}", f"cache={a.cache}", "device=cpu",
-                                 "val=false"])
-    core = TrainCore(spec, work_dir=Path(a.work) / f"loader-{workers}")
+    core = TrainCore(_spec(a, workers, device="cpu"), work_dir=Path(a.work) / f"loader-{workers}")
     s = core.sampler
     windows = []
     for _ in range(a.epochs):
