@@ -2,10 +2,12 @@
 
 Why: on a GPU the step is paced by the training thread launching kernels, not by the GPU or the
 data. On an H200 (yolov8n, imgsz 640, batch 16, AMP) the GPU was busy 25-30 % of the step, for
-our loop and for Ultralytics' trainer alike. Per micro-batch the thread dispatches about 1,050
-operations (counted on a CPU): the model's forward about 320, its backward about 300, the loss
-about 320 forward and 100 backward. A captured graph launches the model's part as two replays. The
-loss stays eager: its target assignment depends on how many boxes each image has.
+our loop and for Ultralytics' trainer alike. Per micro-batch the thread dispatches about 1,430
+operations (yolov8n, counted on a CPU without autocast, which adds casts; 1,050 that are not
+views): the model's forward 331 (317), its backward 459 (226), the loss 422 (322) forward and
+about 220 (190) backward. A captured graph launches the model's part as two replays. The loss
+stays eager: its target assignment sizes tensors by how many boxes each image has, and reads
+them on the host (7 synchronisations per micro-batch).
 
 What a replay assumes, and how it is kept true here:
 - The same input shape: only full micro-batches (`batch` images at `imgsz`) replay; an epoch's
