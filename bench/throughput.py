@@ -21,6 +21,8 @@ results.csv with polars, which is not installed here, when it saves last.pt: tha
 replaced by an empty dict. Both are printed in the output.
 
     .venv/bin/python bench/throughput.py --device cpu --imgsz 320 --batch 8 --workers 2 --epochs 3
+    .venv/bin/python bench/throughput.py --device cpu --imgsz 320 --batch 8 --workers 2 --epochs 3 \
+        --images 256 --repeat 3 --skip-ultralytics  # the CPU targets' figures (64 images: 8 batches an epoch, noise)
     .venv/bin/python bench/throughput.py --device 0 --imgsz 640 --batch 16 --workers 8 --epochs 5 \
         [--cache ram] [--eager-too]
 
