@@ -149,6 +149,12 @@ def test_a_layout_change_captures_again(spec: TrainSpec, tmp_path: Path) -> None
     apply_layout([core.model], True)  # what Horovod's NCHW broadcasts undo and redo: the tensors move
     core.train_step()
     assert forward.captures == 2 and forward.live
+    bn = next(m for m in core.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    bn.running_mean = bn.running_mean.clone()  # a buffer replaced, not copied into
+    core.train_step()
+    assert forward.captures == 3 and forward.live
+    core.train_step()
+    assert forward.captures == 3
 
 
 def test_short_batches_and_eval_run_eagerly(spec: TrainSpec, tmp_path: Path) -> None:

@@ -107,6 +107,11 @@ class GraphedForward:
         self._graphed: Callable[[torch.Tensor], Preds] | None = None
         self._addresses: tuple[int, ...] = ()
         self._trainable = [p for p in model.parameters() if p.requires_grad]
+        # What a replay reads and writes, found fast on every call (walking the module tree took
+        # 0.53 ms for yolov8n, this 0.03): the Parameter objects (a layout change swaps their
+        # data), and each module's buffer dict (where a replaced buffer would appear).
+        self._params = list(model.parameters())
+        self._buffer_dicts = [m._buffers for m in model.modules() if m._buffers]
         self.captures = 0  # how many times the graphs were captured (a layout change captures again)
 
     @property
@@ -134,7 +139,8 @@ class GraphedForward:
             self._prepare(torch.rand(self.shape, device=device, generator=_generator(device)))
 
     def _current_addresses(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+        return (*(p.data_ptr() for p in self._params),
+                *(b.data_ptr() for d in self._buffer_dicts for b in d.values() if b is not None))
 
     def _prepare(self, sample: torch.Tensor) -> None:
         was_training = self.model.training
