@@ -7,7 +7,7 @@ operations (yolov8n, counted on a CPU without autocast, which adds casts; 1,050 
 views): the model's forward 331 (317), its backward 459 (226), the loss 422 (322) forward and
 about 220 (190) backward. A captured graph launches the model's part as two replays. The loss
 stays eager: its target assignment sizes tensors by how many boxes each image has, and reads
-them on the host (7 synchronisations per micro-batch).
+them on the host (4 waits for the device per micro-batch).
 
 What a replay assumes, and how it is kept true here:
 - The same input shape: only full micro-batches (`batch` images at `imgsz`) replay; an epoch's
