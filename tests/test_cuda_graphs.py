@@ -100,7 +100,7 @@ def test_graphed_training_equals_eager_training(spec: TrainSpec, tmp_path: Path)
     forward = _graphed(graphed)
     buffers = [b.clone() for b in graphed.model.buffers()]
     rng = torch.get_rng_state()
-    forward.prepare()  # as a joining node's pre-warm: the capture's own passes leave no trace
+    graphed.warm_up()  # a joining worker's pre-warm captures; it and the capture leave no trace
     assert torch.equal(rng, torch.get_rng_state())
     assert forward.live and forward.captures == 1
     assert all(torch.equal(a, b) for a, b in zip(buffers, graphed.model.buffers()))

@@ -392,7 +392,7 @@ class TrainCore:
 
     def warm_up(self) -> None:
         """For a process about to join a world: one batch from each loader process, and one
-        forward and backward pass on a synthetic batch.
+        forward and backward pass on a synthetic batch (on a GPU it captures the CUDA graphs).
 
         A process's first step pays one-off costs (the loader processes' first batch, the loss's
         lazily built criterion, first-use kernels and allocations: 0.1-0.25 s at imgsz 64 on a

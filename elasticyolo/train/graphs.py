@@ -132,12 +132,6 @@ class GraphedForward:
                 p.grad = torch.zeros_like(p)  # see the module's docstring: else autograd adopts the graph's buffer
         return self._graphed(img)
 
-    def prepare(self) -> None:
-        """Capture now (a joining node's pre-warm), so that the first step of the world does not."""
-        if self.enabled and self._graphed is None:
-            device = next(self.model.parameters()).device
-            self._prepare(torch.rand(self.shape, device=device, generator=_generator(device)))
-
     def _current_addresses(self) -> tuple[int, ...]:
         return (*(p.data_ptr() for p in self._params),
                 *(b.data_ptr() for d in self._buffer_dicts for b in d.values() if b is not None))
