@@ -13,8 +13,9 @@ What a replay assumes, and how it is kept true here:
 - The same input shape: only full micro-batches (`batch` images at `imgsz`) replay; an epoch's
   short last batch runs eagerly.
 - The same tensors: the graph reads and writes the parameters' and buffers' memory as it was at
-  capture. A layout change (`layout.py`, around Horovod's broadcasts) moves them, so every call
-  compares their addresses and captures again after a move. `load_state_dict` copies in place.
+  capture. A layout change (`layout.py`, around Horovod's tensor-by-tensor fallback sync) moves
+  them, so every call compares their addresses and captures again after a move.
+  `load_state_dict` copies in place.
 - Gradients that already exist: the backward replay returns its gradients in its own static
   buffers, and autograd *adopts* such a tensor as `.grad` when `.grad` is None. The next replay
   would then overwrite the gradient accumulated so far (pytorch#181723, open). Every graphed
@@ -106,12 +107,12 @@ class GraphedForward:
         self._capture = capture
         self._graphed: Callable[[torch.Tensor], Preds] | None = None
         self._addresses: tuple[int, ...] = ()
-        self._trainable = [p for p in model.parameters() if p.requires_grad]
         # What a replay reads and writes, found fast on every call (walking the module tree took
         # 0.53 ms for yolov8n, this 0.03): the Parameter objects (a layout change swaps their
         # data), and each module's buffer dict (where a replaced buffer would appear).
         self._params = list(model.parameters())
         self._buffer_dicts = [m._buffers for m in model.modules() if m._buffers]
+        self._trainable = [p for p in self._params if p.requires_grad]
         self.captures = 0  # how many times the graphs were captured (a layout change captures again)
 
     @property
@@ -123,7 +124,7 @@ class GraphedForward:
         if not (self.enabled and self.model.training and tuple(img.shape) == self.shape):
             return self.model(img)
         if self._graphed is None or self._addresses != self._current_addresses():
-            self._graphed = None
+            self._graphed = None  # stale graphs go first, with their memory pool
             self._prepare(img)
             if self._graphed is None:
                 return self.model(img)
@@ -137,8 +138,7 @@ class GraphedForward:
                 *(b.data_ptr() for d in self._buffer_dicts for b in d.values() if b is not None))
 
     def _prepare(self, sample: torch.Tensor) -> None:
-        was_training = self.model.training
-        self.model.train()
+        """Capture and check, in training mode (the only mode `__call__` captures in)."""
         saved = _ModelState(self.model)
         try:
             # A fresh wrapper each time: a captured one's forward already replays the old graphs.
@@ -149,7 +149,6 @@ class GraphedForward:
             mismatch = f"{type(exc).__name__}: {exc}"
         finally:
             saved.restore()
-            self.model.train(was_training)
         self.captures += 1
         if mismatch is not None:
             self.enabled = False
