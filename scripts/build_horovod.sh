@@ -2,8 +2,8 @@
 # Build a Horovod 0.28.1 wheel (PyTorch + Gloo; NCCL on a GPU VM) against the torch in $PY's venv.
 # The PyPI sdist does not build against torch 2.14 as is (see README "Horovod build"): we patch
 # the C++ standard (top level 17 so gloo links, torch extension 20 for torch's headers) and, on a
-# CPU machine, force the "torch has CUDA" probe off. One fix to the bundled gloo and one to Horovod's
-# process-set device (below).
+# CPU machine, force the "torch has CUDA" probe off. One fix to the bundled gloo and two to Horovod
+# (the process-set device, the background thread's initialization errors; below).
 # Usage: build_horovod.sh PYTHON OUT_DIR
 set -euo pipefail
 PY=${1:?python}; OUT=${2:?out dir}
@@ -72,6 +72,52 @@ new = """  gloo_iface_ = global_context.gloo_iface_;
 if text.count(old) != 1:
     sys.exit("build_horovod: process-set interface patch did not apply")
 open(path, "w").write(text.replace(old, new))
+EOF
+
+# Horovod: a Gloo error while the background thread sets up a new world (a peer that does not
+# publish its address within HOROVOD_GLOO_TIMEOUT_SECONDS: a slow joiner, a peer lost meanwhile)
+# escapes that thread and aborts the worker (`terminate called after throwing an instance of
+# 'gloo::IoException'`, SIGABRT). Caught, it fails `hvd.init()` instead, which the worker retries
+# (engines/horovod/worker.py), registering for the next world like any worker after a failed
+# collective. `horovod_shutdown` also clears the failure so that a later `hvd.init()` can succeed.
+"$PY" - "$src/horovod/common/operations.cc" <<'EOF'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+old_init = """  {
+    global_gloo_context.Initialize(ParseGlooIface());
+  }
+  if (state.control_operation == LibType::GLOO) {
+    // Initializes global controller
+    state.process_set_table.Initialize(global_gloo_context);
+  }"""
+new_init = """  try {
+    global_gloo_context.Initialize(ParseGlooIface());
+    if (state.control_operation == LibType::GLOO) {
+      // Initializes global controller
+      state.process_set_table.Initialize(global_gloo_context);
+    }
+  } catch (const std::exception& ex) {
+    LOG(ERROR) << "Horovod could not be initialized: " << ex.what();
+    try {
+      global_gloo_context.Finalize();
+    } catch (const std::exception&) {
+    }
+    state.initialization_failed = true;
+    return;
+  }"""
+old_shutdown = """    horovod_global.shut_down = false;
+    horovod_global.initialization_done = false;
+  }
+}"""
+new_shutdown = """    horovod_global.shut_down = false;
+    horovod_global.initialization_done = false;
+    horovod_global.initialization_failed = false;
+  }
+}"""
+if text.count(old_init) != 1 or text.count(old_shutdown) != 1:
+    sys.exit("build_horovod: background-thread initialization patch did not apply")
+open(path, "w").write(text.replace(old_init, new_init).replace(old_shutdown, new_shutdown))
 EOF
 
 export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1

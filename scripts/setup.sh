@@ -57,7 +57,7 @@ log "installing elasticyolo and its dependencies"
 flavor=cpu
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ -n "${CUDA_HOME:-}" ]; then flavor=nccl; fi
 # The build number counts our patches (scripts/build_horovod.sh): a new one rebuilds and reinstalls.
-HOROVOD_BUILD=3
+HOROVOD_BUILD=4
 key="horovod-$HOROVOD_VERSION-b$HOROVOD_BUILD-torch-$TORCH_VERSION-$flavor"
 if ! "$PY" -c "import horovod.torch" 2>/dev/null || [ ! -e "$VENV/.$key" ]; then
   if ! ls "$WHEEL_CACHE/$key"/horovod-*.whl >/dev/null 2>&1; then

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from elasticyolo.agent.state import NodeState as S
-from elasticyolo.agent.state import Observation, decide
+from elasticyolo.agent.state import Observation, decide, reregisters_in_place
 from elasticyolo.config import load_agent_config
 from elasticyolo.errors import UserError
 
@@ -41,8 +41,13 @@ def test_happy_path() -> None:
 def test_drain_from_every_live_state_and_lease_loss() -> None:
     for s in (S.JOINING, S.IDLE, S.TRAINING):
         assert step(s, registered=True, drain_requested=True) is S.DRAINING
+    # a lapsed lease is no departure: the member keeps its state and re-registers in place
     for s in (S.IDLE, S.TRAINING):
-        assert step(s, registered=False, lease_lost=True, job_active=True) is S.JOINING
+        obs = Observation(registered=False, lease_lost=True, job_active=s is S.TRAINING)
+        assert decide(s, obs) is None and reregisters_in_place(s, obs)
+        assert not reregisters_in_place(s, Observation(registered=True, job_active=s is S.TRAINING))
+    assert not reregisters_in_place(S.JOINING, Observation(lease_lost=True))
+    assert not reregisters_in_place(S.DRAINING, Observation(lease_lost=True))
     # a drain that is already under way is not interrupted by a lost lease
     assert step(S.DRAINING, lease_lost=True) is S.DRAINING
 

@@ -133,3 +133,12 @@ def test_keepalive_is_independent_of_the_agents_slow_requests(etcd_server: EtcdC
         reg.stop_keepalive()
         real.lease_revoke(reg.lease_id)
         hole.close()
+
+
+def test_a_follower_waits_for_a_leader_whose_lease_lapsed_to_take_its_lead_back() -> None:
+    from elasticyolo.cluster.election import defers_to_previous_leader
+
+    assert defers_to_previous_leader(True, key_gone_s=1.0, grace_s=4.0, reachable=True)
+    assert not defers_to_previous_leader(True, key_gone_s=4.5, grace_s=4.0, reachable=True)  # it did not
+    assert not defers_to_previous_leader(True, key_gone_s=0.1, grace_s=4.0, reachable=False)  # it died
+    assert not defers_to_previous_leader(False, key_gone_s=0.1, grace_s=4.0, reachable=True)  # it was us

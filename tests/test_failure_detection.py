@@ -4,9 +4,11 @@ The agents run with a lease TTL of 10 s and the default heartbeat timeout (2 s),
 recovery below that completes while the lost node's record is still in etcd was decided by the
 fast signals (cluster/liveness.py), not by the lease. One scenario, one start-up:
 
-1. only the agent of a node frozen (SIGSTOP; its worker, in its own session, trains on): the world
-   goes on without that node, no healthy worker is stopped, nothing is blacklisted but the node;
-2. it was wrongly suspected: SIGCONT, and it rejoins (world 3 again);
+1. only the agent of a node frozen (SIGSTOP; its worker, in its own session, trains on) for longer
+   than the heartbeat timeout: its node is suspect, but the world still steps, so the node stays
+   in it: the world keeps its size and every worker its process (a silent agent is no evidence
+   that its worker stopped taking part: engines/horovod/failures.py);
+2. thawed (SIGCONT), the agent is back and the world is unchanged;
 3. process death: SIGKILL of another node's agent -> world 2 sooner than its lease could expire,
    and the leader revokes that lease at once;
 4. a whole node frozen (SIGSTOP of its agent and every process under it; nothing is closed) ->
@@ -34,6 +36,7 @@ from elasticyolo.testing.trace import coverage_by_epoch, pids_by_rank
 N_TRAIN = 24
 TTL = 10  # the lease cannot be what detects a loss within these tests' deadlines
 START_S, STEP_S = 240, 120
+HEARTBEAT_TIMEOUT_S = 2.0  # the agents' default (config.py: heartbeat_timeout)
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +73,8 @@ def _signal(pid: int, sig: int) -> None:
 
 
 
-# About a minute; in `make test` (issue 11). It used to fail in about 2 of 5 runs: a survivor sat
-# out Gloo's 30 s timeout after the abort (a send queued on a shut connection was never failed:
-# fixed in the gloo that scripts/build_horovod.sh builds), or the orphan of an agent-only freeze
-# rejoined the next world (the driver now updates Horovod's hosts before it aborts).
+# About a minute. A survivor must not sit out Gloo's 30 s timeout after an abort (a send queued on
+# a shut connection is failed by the gloo that scripts/build_horovod.sh builds).
 def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, dataset: Path) -> None:
     c = slow_lease_cluster
     for n in ("a", "b", "c"):
@@ -88,24 +89,25 @@ def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, da
     agent_x = c.agents[x].proc
     assert agent_x is not None
 
-    # 1. Only x's agent freezes: its worker keeps running. The world drops x and trains on; the
-    #    leader's and y's workers are the same processes before and after (nobody was stopped).
-    healthy = {c.worker_of(leader), c.worker_of(y)}
-    orphan = c.worker_of(x)
+    # 1. Only x's agent freezes, for twice the heartbeat timeout: its worker keeps training, so the
+    #    world keeps x; every worker is the process it was.
+    workers = {c.worker_of(n) for n in (leader, x, y)}
     os.kill(agent_x.pid, signal.SIGSTOP)
     t1 = time.time()
-    c.wait(lambda: c.rank0_steps_after(t1, 2), STEP_S, "world 2 without the node whose agent froze")
-    assert x in c.nodes(), "the lease expired first: the heartbeat timeout did not decide"
-    assert set(pids_by_rank([e for e in c.events() if e["t"] > t1]).values()) == healthy
-    assert all(psutil.pid_exists(p) for p in healthy)
-    c.wait(lambda: not running(orphan), 30, "the frozen agent's worker to leave the world (Horovod removed its host)")
-    assert c.job_state() == "running"
+    c.wait(lambda: time.time() - t1 > 2 * HEARTBEAT_TIMEOUT_S, 10, "the frozen agent to be suspect")  # the freeze must last
+    t_suspect = time.time()
+    c.wait(lambda: len(c.rank0_steps_after(t_suspect, 3)) >= 2, STEP_S, "world 3 stepping on while x's agent is silent")
+    assert not c.steps(world=2), "the world dropped the node whose agent alone froze"
+    assert {e["pid"] for e in c.steps() if e["t"] > t_suspect} == workers
+    assert not [e for e in c.events() if e["ev"] == "resume" and e["t"] > t1], "the world re-formed"
 
-    # 2. It was wrongly suspected: thawed, it comes back and the world grows to 3 again.
+    # 2. Thawed, the agent is back; the world and its workers are unchanged.
     os.kill(agent_x.pid, signal.SIGCONT)
     t2 = time.time()
-    c.wait(lambda: c.rank0_steps_after(t2, 3), START_S, "the thawed node back in the world")
-    assert healthy <= set(pids_by_rank(c.events()).values()), "a healthy worker was replaced"
+    c.wait(lambda: len(c.rank0_steps_after(t2, 3)) >= 2, STEP_S, "the world stepping after the thaw")
+    c.wait(lambda: {e["pid"] for e in c.steps() if e["t"] > t2} == workers, STEP_S, "every worker stepping")
+    assert not [e for e in c.events() if e["ev"] == "resume" and e["t"] > t1], "the world re-formed"
+    assert c.job_state() == "running"
 
     # 3. Process death: SIGKILL of y's agent (its worker dies with it). World 2 before y's lease
     #    could have ended; the leader revoked that lease at once (agent/dead_nodes.py).

@@ -310,3 +310,35 @@ def test_leader_publishes_a_frozen_agent_as_suspect_until_it_beats_again(etcd_se
             p.kill()
         publisher.stop()
         server.stop()
+
+
+# ---- a silent agent is no evidence against its worker (engines/horovod/failures.py) --------------
+def test_a_suspect_is_lost_only_while_the_world_does_not_step() -> None:
+    from elasticyolo.engines.horovod.failures import lost_nodes, world_stalled
+
+    verdicts = {"a": Verdict.ALIVE, "b": Verdict.SUSPECT, "c": Verdict.DEAD}
+    assert lost_nodes(verdicts, stalled=False) == {"c"}  # b's agent is silent, but the world steps
+    assert lost_nodes(verdicts, stalled=True) == {"b", "c"}
+    # stalled: no advance of rank 0's step for 2.5 intervals, and at least a second
+    assert world_stalled(None, None, 10.0)  # nothing shows the world steps
+    assert not world_stalled(9.5, 0.5, 10.0)
+    assert world_stalled(8.5, 0.5, 10.0)
+    assert not world_stalled(8.0, 1.0, 10.0) and world_stalled(7.0, 1.0, 10.0)
+
+
+def test_discovery_keeps_a_node_whose_record_vanished_for_a_grace() -> None:
+    from elasticyolo.engines.horovod.discovery import Remembered, list_recent, note_step
+
+    memory = Remembered()
+    rec = {"state": "TRAINING", "slots": 1}
+    assert list_recent({"a": rec, "b": rec}, memory, 0.0, grace_s=3.0) == {"a": rec, "b": rec}
+    assert list_recent({"a": rec}, memory, 1.0, grace_s=3.0) == {"a": rec, "b": rec}  # b's lease lapsed
+    assert list_recent({"a": rec, "b": rec}, memory, 2.0, grace_s=3.0) == {"a": rec, "b": rec}  # re-registered
+    assert list_recent({"a": rec}, memory, 3.0, grace_s=3.0) == {"a": rec, "b": rec}
+    assert list_recent({"a": rec}, memory, 5.5, grace_s=3.0) == {"a": rec}  # gone for good
+    # rank 0's step: when it last advanced, and how often
+    for t, step in ((0.0, 10), (0.5, 12), (1.0, 12), (1.5, 14)):
+        note_step(step, memory, t)
+    assert memory.step == 14 and memory.step_changed_at == 1.5 and memory.step_period_s is not None
+    note_step(3, memory, 2.0)  # a new submission starts over
+    assert memory.step == 3 and memory.step_changed_at == 2.0

@@ -13,7 +13,7 @@ import secrets
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from elasticyolo import __version__
@@ -23,7 +23,7 @@ from elasticyolo.agent.job import JobView
 from elasticyolo.agent.metrics import AgentMetrics
 from elasticyolo.agent.plugin import AgentPlugin
 from elasticyolo.agent.sd_notify import SystemdNotifier
-from elasticyolo.agent.state import NodeState, Observation, Transition, decide
+from elasticyolo.agent.state import NodeState, Observation, Transition, decide, reregisters_in_place
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
 from elasticyolo.cluster.jobs import submit_spec
@@ -39,6 +39,9 @@ from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 
 EVENTS_KEPT = 1000
+# The reason plug-ins get (`on_lose_leadership`) when leadership went with a lapsed lease: the node
+# may take it back (cluster/election.py), so an engine may keep its coordinator meanwhile.
+LEASE_LAPSED = "lease lapsed"
 
 
 def node_price(cfg: AgentConfig) -> NodePrice:
@@ -88,7 +91,10 @@ class Agent:
         self.registration = NodeRegistration(self.client, self.keys, self.record, cfg.ttl,
                                              on_lease_lost=self.wake, on_renew=self.metrics.observe_renew,
                                              keepalive_client=self.new_client())
-        self.election = LeaderElection(self.client, self.keys, self.registration, handover=cfg.handover)
+        # A follower waits for a leader whose lease lapsed to take its lead back (two leases'
+        # time, while that leader's agent still holds its liveness connection open).
+        self.election = LeaderElection(self.client, self.keys, self.registration, handover=cfg.handover,
+                                       reclaim_grace_s=2.0 * cfg.ttl, leader_reachable=self._leader_reachable)
         self.billing = BillingLedger(self.client, self.keys, self.record)
         self.tick_s = min(1.0, max(0.1, cfg.ttl / 4))
         if self.notifier.watchdog_s:
@@ -270,21 +276,36 @@ class Agent:
             self._try_register()
         if self.state is NodeState.DRAINING:
             return Observation(registered=True, drain_complete=self._drain_step())
+        if reregisters_in_place(self.state, self._registration_observation()):
+            self._reregister_in_place()
         self._read_job()
-        return Observation(
-            registered=bool(self.registration.lease_id) and not self.registration.lease_lost(),
-            lease_lost=self.registration.lease_lost(),
-            job_active=self.job.active,
-            drain_requested=self.drain.reason is not None,
-            fatal=self._fatal,
-        )
+        return replace(self._registration_observation(), job_active=self.job.active,
+                       drain_requested=self.drain.reason is not None, fatal=self._fatal)
 
-    def _try_register(self) -> None:
+    def _registration_observation(self) -> Observation:
+        return Observation(registered=bool(self.registration.lease_id) and not self.registration.lease_lost(),
+                           lease_lost=self.registration.lease_lost())
+
+    def _reregister_in_place(self) -> None:
+        """A member's lease lapsed: register again under a new lease, keeping the node's state and
+        its workers (agent/state.py). A leader's key went with the old lease: it leads no more."""
+        if self.election.is_leader:
+            self.election.term = 0
+            self._lost_leadership(LEASE_LAPSED)
+        self.metrics.lease_lapses.inc()
+        self.log.warning("lease lapsed; re-registering in place", state=self.state.value)
+        if self._try_register(keep_state=True):
+            self.write_event("lease", lapse=True, state=self.state.value)
+
+    def _try_register(self, keep_state: bool = False) -> bool:
+        """Register under a new lease; True once registered. `keep_state`: the record keeps the
+        node's state (a member re-registering after a lapse) instead of JOINING."""
         if self.registration.lease_id and not self.registration.lease_lost():
-            return
+            return False
         self.registration.stop_keepalive()
         self.registration.lease_id = 0
-        self.record.state = NodeState.JOINING.value
+        if not keep_state:
+            self.record.state = NodeState.JOINING.value
         self.record.leader = False
         try:
             self.registration.register()
@@ -296,10 +317,11 @@ class Agent:
                 self._fatal = str(exc)
             else:
                 self.log.info("node id still registered; waiting for the old lease to expire", error=str(exc))
-            return
+            return False
         self._conflict_since = None
         self.registration.start_keepalive()
         self.log.info("registered", lease=f"{self.registration.lease_id:x}", ttl=self.cfg.ttl)
+        return True
 
     def _read_job(self) -> None:
         got = self.client.get_many([self.keys.spec, self.keys.state, self.keys.world])
@@ -370,9 +392,6 @@ class Agent:
                 self._lost_leadership("draining")
         if t.new is NodeState.LEFT:
             self.resign("drained")
-        if t.new is NodeState.JOINING and self.election.is_leader:
-            self.election.term = 0
-            self._lost_leadership("lease lost")
         self._write_event(t)
         if t.new is not NodeState.LEFT:
             self._sync_record()
@@ -426,9 +445,14 @@ class Agent:
             self.write_event("leader", term=self.election.term)  # for the timeline (elasticyolo report)
             self._call_plugins("on_become_leader", self.election.term)
         elif was and not now:
-            self._lost_leadership("resigned or deposed")
+            self._lost_leadership(LEASE_LAPSED if not self.registration.lease_valid() else "resigned or deposed")
         if now and time.time() - self._last_trim > 30:
             self._trim_events()
+
+    def _leader_reachable(self, leader: Any) -> bool:
+        """Our liveness connection to `leader`'s agent is open (it is alive or frozen, not dead)."""
+        client = getattr(self, "liveness_client", None)
+        return bool(leader.liveness) and client is not None and client.connected_to == leader.liveness
 
     def _lost_leadership(self, reason: str) -> None:
         self.metrics.leader.set(0)

@@ -33,6 +33,9 @@ class AgentMetrics:
                                      ).labels(**labels)
         self.lease_renew_failures = Counter("elasticyolo_lease_renew_failures_total", "failed keepalives",
                                             ["node", "job"], registry=self.registry).labels(**labels)
+        self.lease_lapses = Counter("elasticyolo_lease_lapses_total",
+                                    "leases that expired while the node was a member (it re-registered in place)",
+                                    ["node", "job"], registry=self.registry).labels(**labels)
         self.notices = Counter("elasticyolo_interruption_notices_total", "interruption notices received",
                                ["node", "job"], registry=self.registry).labels(**labels)
         self.at_risk = Gauge("elasticyolo_node_at_risk", "1 while an at-risk notice (e.g. rebalance) stands",

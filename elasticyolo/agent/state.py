@@ -6,8 +6,11 @@
        +---- drain requested / lease lost ----------+--> DRAINING --drained--> LEFT
     any non-terminal state --fatal--> FAILED
 
-Lease lost (etcd expired our registration, e.g. after a long partition) sends IDLE/TRAINING
-back to JOINING: the agent re-registers instead of dying.
+A lapsed lease (etcd expired the registration: a missed renewal under CPU load, a partition) is
+not a departure: an IDLE or TRAINING node re-registers under a new lease and keeps its state and
+its workers (`reregisters_in_place`). Whether the world goes on without the node is for the
+engine's coordinator to decide (Horovod's driver withdraws a launch request, torch's rendezvous
+forms a world without it), on evidence about the worker, never on the agent's own timer.
 """
 
 from __future__ import annotations
@@ -69,10 +72,14 @@ def decide(state: NodeState, obs: Observation) -> Transition | None:
         return to(NodeState.DRAINING, "drain requested")
     if state is NodeState.JOINING:
         return to(NodeState.IDLE, "registered") if obs.registered else None
-    if obs.lease_lost or not obs.registered:
-        return to(NodeState.JOINING, "lease lost; re-registering")
     if state is NodeState.IDLE and obs.job_active:
         return to(NodeState.TRAINING, "job active")
     if state is NodeState.TRAINING and not obs.job_active:
         return to(NodeState.IDLE, "job inactive")
     return None
+
+
+def reregisters_in_place(state: NodeState, obs: Observation) -> bool:
+    """Whether a member whose lease is gone registers again under a new lease, keeping its state
+    (and so its workers) instead of starting over from JOINING."""
+    return state in (NodeState.IDLE, NodeState.TRAINING) and (obs.lease_lost or not obs.registered)

@@ -25,13 +25,13 @@ from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_tr
 from elasticyolo.errors import UserError
 
 BASELINE = "checkpoint-restart"
-VAL_IMAGES = 256  # the accuracy check's validation set (64 until stop 26: fewer boxes, more sampling noise in each mAP)
+VAL_IMAGES = 256  # the accuracy check's validation set (64 gives fewer boxes, more sampling noise in each mAP)
 
 
 def calibration_span_s(calibrate_s: float, checkpoint_s: float) -> float:
     """A calibration span holds whole checkpoint intervals: with 8 s spans and a checkpoint every
     5 s, a span held one checkpoint or two, and its rate moved by a quarter with that alone
-    (stop 25: world 3 measured at 31, 31 and 66 samples/s)."""
+    (world 3 measured at 31, 31 and 66 samples/s on a 2-core host)."""
     return math.ceil(calibrate_s / checkpoint_s - 1e-9) * checkpoint_s if checkpoint_s > 0 else calibrate_s
 
 
@@ -187,7 +187,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     # Heavy imports only now (the CLI stays quick for bad input).
     import boto3
 
-    from elasticyolo.chaos.runner import SHARED_STEPS, ReplayEnv, run_checkpoint_restart, run_elastic
+    from elasticyolo.chaos.runner import SHARED_STEPS, JobFailed, ReplayEnv, run_checkpoint_restart, run_elastic
     from elasticyolo.data.synth import SynthSpec, write_dataset
     from elasticyolo.testing.servers import EtcdCluster, S3Server
 
@@ -264,6 +264,17 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
 
                     out["accuracy"] = check_accuracy(env, data, o.imgsz, first_world(er.events, prep.elastic),
                                                      o.nodes, timeout_s=max(600.0, 5 * tl.duration_s))
+            except JobFailed as exc:
+                # A dead job scores nothing: goodput 0, never a figure from the part before it died.
+                failed = True
+                died = str(exc).splitlines()[0]
+                out.update(failed=True, reason=died, wall_s=round(time.monotonic() - t_begin, 1),
+                           systems={"elasticyolo": {"failed": True, "reason": died, "goodput_vs_ideal": 0.0,
+                                                    "committed_samples": 0}})
+                o.json_out.parent.mkdir(parents=True, exist_ok=True)
+                o.json_out.write_text(json.dumps(out, indent=2))
+                raise ReplayFailed(f"replay failed: {died} (JSON with \"failed\": true written to {o.json_out}; "
+                                   f"agent logs and worker traces kept under {root})") from None
             except (AssertionError, RuntimeError) as exc:
                 failed = True
                 raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]} "

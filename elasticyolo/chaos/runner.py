@@ -86,6 +86,10 @@ class SystemRun:
                 for n, spans in self.span_rates.items()}
 
 
+class JobFailed(AssertionError):
+    """The replayed job ended in `failed`: the replay stops at once and reports it."""
+
+
 class _Nodes:
     """The agents of one job, each with its own metadata server (its own "VM")."""
 
@@ -127,15 +131,27 @@ class _Nodes:
     def steps_after(self, t: float, world: int, n: int) -> bool:
         return len([s for s in self.cluster.steps(world=world) if s["t"] > t and s["rank"] == 0]) >= n
 
+    def raise_if_failed(self) -> None:
+        """JobFailed with the job's reason once its state is `failed` (every wait of a replay
+        checks this: a dead job is reported at once, not at a wait's time limit)."""
+        record = self.cluster.job_record()
+        if record.get("state") == "failed":
+            raise JobFailed(f"the job failed: {record.get('reason') or 'no reason recorded'}")
+
+    def wait(self, condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+        return wait_for(condition, timeout, what, interval=interval, abort=self.raise_if_failed)
+
     def wait_world(self, world: int, after: float, steps: int, timeout: float, what: str) -> None:
-        wait_for(lambda: self.steps_after(after, world, steps), timeout, what, interval=0.5,
-                 abort=lambda: "the job failed" if self.cluster.job_state() == "failed" else None)
+        self.wait(lambda: self.steps_after(after, world, steps), timeout, what)
 
     def wait_checkpoint(self, timeout: float) -> None:
         """A job that has run a while has a checkpoint in the store: start the clock after one."""
-        wait_for(lambda: self.cluster.client.get(self.cluster.keys.checkpoint_latest), timeout,
-                 "a first checkpoint in S3", interval=0.5,
-                 abort=lambda: "the job failed" if self.cluster.job_state() == "failed" else None)
+        self.wait(lambda: self.cluster.client.get(self.cluster.keys.checkpoint_latest), timeout,
+                  "a first checkpoint in S3")
+
+    def wait_until(self, t: float) -> None:
+        """The replay clock: until wall time `t` (actions happen at trace times, not on conditions)."""
+        self.wait(lambda: time.time() >= t, max(0.0, t - time.time()) + 5.0, "the replay clock", interval=0.02)
 
     def standbys_warm(self) -> bool:
         """Every live node's newest warm worker (engines/prewarm.py logs when it starts warming and
@@ -156,13 +172,15 @@ class _Nodes:
         imports and model build (a torch-elastic round refills every node's standby; on 0.44-CPU
         nodes one took 28-38 s, at half the node). Past `timeout` it goes on and says so."""
         try:
-            wait_for(self.standbys_warm, timeout, "every node's warm standby worker", interval=0.5)
+            self.wait(self.standbys_warm, timeout, "every node's warm standby worker")
+        except JobFailed:
+            raise
         except AssertionError as exc:
             self.env.say(f"  going on without: {exc}")
 
     def wait_steps(self, after: float, n: int, timeout: float) -> None:
-        wait_for(lambda: len([s for s in self.cluster.steps() if s["t"] > after and s["rank"] == 0]) >= n,
-                 timeout, "steps after the last change", interval=0.5)
+        self.wait(lambda: len([s for s in self.cluster.steps() if s["t"] > after and s["rank"] == 0]) >= n,
+                  timeout, "steps after the last change")
 
     def stop(self) -> None:
         try:
@@ -200,9 +218,7 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
           apply: Callable[[Action], None], tail_s: float, final_world: int = 0) -> list[dict[str, Any]]:
     played = []
     for a in actions:
-        delay = t0 + a.t - time.time()
-        if delay > 0:
-            time.sleep(delay)  # the replay clock: actions happen at trace times, not on conditions
+        nodes.wait_until(t0 + a.t)
         if time.time() >= t_end:
             break
         at = time.time()
@@ -210,9 +226,7 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
         played.append({"t": round(at - t0, 3), "kind": a.kind, "nodes": list(a.nodes), "change": a.change})
         say(f"  t={at - t0:7.2f}s  {a.kind:<8} {' '.join(a.nodes)}"
             + (f"  (killed in {a.notice_s:g}s)" if a.notice_s else ""))
-    left = t_end - time.time()
-    if left > 0:
-        time.sleep(left)
+    nodes.wait_until(t_end)
     # Keep going until training resumes after the last action: only then is it known which of
     # the window's steps were rolled back (and what the last change cost).
     last = max([t_end] + [t0 + p["t"] for p in played])
@@ -220,6 +234,8 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
         nodes.wait_steps(last, 2, tail_s)
         if final_world:
             nodes.wait_world(final_world, t_end, 2, tail_s, f"training at the window's final size {final_world}")
+    except JobFailed:
+        raise
     except AssertionError as exc:
         say(f"  training did not resume after the window ({exc}); its last change is measured to the window's end")
     return played
@@ -325,13 +341,13 @@ def _calibrate_at(nodes: _Nodes, n: int, calibrate_s: float, when: str) -> list[
     nodes.wait_world(n, time.time(), 3, env.startup_timeout_s, f"training at world size {n}")
     t_formed = time.time()
     nodes.settle(SETTLE_TIMEOUT_S)  # the nodes' standbys warm up
-    time.sleep(max(0.0, t_formed + calibrate_s - time.time()))  # and the change's own transient
+    nodes.wait_until(t_formed + calibrate_s)  # and the change's own transient
     spans = []
     for _ in range(CALIBRATION_SPANS):
         t_a = time.time()
         # A span: at least calibrate_s and at least 5 steps at this size.
-        wait_for(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
-                 env.startup_timeout_s, f"5 steps at world size {n}", interval=0.5)
+        nodes.wait(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
+                   env.startup_timeout_s, f"5 steps at world size {n}")
         got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
         if got is not None:
             spans.append(got)
@@ -348,8 +364,8 @@ def _leave(nodes: _Nodes, leaving: list[str]) -> None:
         nodes.notice(x, nodes.env.notice_s)
     t_drop = time.time()
     if leaving:
-        wait_for(lambda: all(not nodes.alive(x) or time.time() > t_drop + nodes.env.notice_s for x in leaving),
-                 nodes.env.notice_s + 30, "the calibration nodes to leave", interval=0.2)
+        nodes.wait(lambda: all(not nodes.alive(x) or time.time() > t_drop + nodes.env.notice_s for x in leaving),
+                   nodes.env.notice_s + 30, "the calibration nodes to leave", interval=0.2)
         for x in leaving:
             nodes.kill(x)
 
@@ -404,8 +420,7 @@ def run_reference(env: ReplayEnv, job: str, world: int, max_nodes: int, until_ep
             rec = nodes.cluster.client.get(nodes.cluster.keys.checkpoint_latest)
             return rec is not None and int(json.loads(rec[0]).get("epoch", -1)) > until_epoch
 
-        wait_for(landed, timeout_s, f"the uninterrupted run past epoch {until_epoch}", interval=1.0,
-                 abort=lambda: "the job failed" if nodes.cluster.job_state() == "failed" else None)
+        nodes.wait(landed, timeout_s, f"the uninterrupted run past epoch {until_epoch}", interval=1.0)
     finally:
         nodes.stop()
 

@@ -60,13 +60,18 @@ class LeaderElection:
     """Called once per agent loop iteration (`step`); it never blocks longer than one etcd call."""
 
     def __init__(self, client: EtcdClient, keys: JobKeys, registration: NodeRegistration,
-                 handover: bool = True) -> None:
+                 handover: bool = True, reclaim_grace_s: float = 0.0,
+                 leader_reachable: Callable[[LeaderInfo], bool] = lambda _leader: False) -> None:
+        """`reclaim_grace_s` and `leader_reachable`: see `defers_to_previous_leader`."""
         self.client = client
         self.keys = keys
         self.reg = registration
         self.handover = handover
         self.term = 0  # >0 while we lead
         self.leader: LeaderInfo | None = None  # last seen leader (us or another node)
+        self.reclaim_grace_s = reclaim_grace_s
+        self.leader_reachable = leader_reachable
+        self._key_gone_since: float | None = None  # monotonic: when the leader key was first seen missing
 
     @property
     def is_leader(self) -> bool:
@@ -108,6 +113,16 @@ class LeaderElection:
 
     def _campaign(self, nodes: Sequence[NodeRecord] | Callable[[], Sequence[NodeRecord]]) -> None:
         got = self.client.get(self.keys.leader)
+        if got is None:
+            now = time.monotonic()
+            self._key_gone_since = self._key_gone_since or now
+            previous = self.leader
+            if defers_to_previous_leader(previous is not None and previous.node_id != self.node_id,
+                                         now - self._key_gone_since, self.reclaim_grace_s,
+                                         previous is not None and self.leader_reachable(previous)):
+                return
+        else:
+            self._key_gone_since = None
         if got is not None:
             try:
                 self.leader = LeaderInfo.from_kv(*got)
@@ -195,6 +210,14 @@ class LeaderElection:
         if lease:
             put["lease"] = str(lease)
         return bool(self.client.txn([self.fenced_txn_compare()], [{"request_put": put}], [])["succeeded"])
+
+
+def defers_to_previous_leader(previous_is_other: bool, key_gone_s: float, grace_s: float, reachable: bool) -> bool:
+    """Whether a follower holds back its campaign when the leader key is gone: for `grace_s` while
+    the previous leader's agent still looks alive (its liveness connection is open). A leader whose
+    lease lapsed under load re-registers and takes its lead back, and its driver keeps the running
+    world (engines/horovod/node.py). A leader that died closed that connection: no wait then."""
+    return previous_is_other and reachable and key_gone_s < grace_s
 
 
 def _with_leader(rec: NodeRecord, leader: bool) -> str:

@@ -8,7 +8,7 @@
 | `spec`                            | `submit`, agent config | none  | TrainSpec JSON (elasticyolo.spec)   |
 | `state`                           | `submit`/`cancel`/leader/engine | none | JobState: {"state", "at", "by", "reason"} |
 | `world`                           | leader (driver)   | none       | World: {"world_size","ranks":{node:[rank..]},"term","leader","at"} |
-| `launch/<node-id>/<local-rank>`   | leader (Horovod driver) | leader's | launch request: {"action": "start", "id", "env", "term", "at"} |
+| `launch/<node-id>/<local-rank>`   | leader (Horovod driver) | leader's | launch request: {"action": "start", "id", "env", "term", "at"}, or {"action": "stop", "id"} to withdraw it (a request that is merely gone stops nothing) |
 | `exit/<request-id>`               | the node's agent  | node lease | worker exit report: {"code","node","slot","at"} |
 | `events/<ms>-<node-id>-<seq>`     | any agent         | none       | {"at","node","kind","from","to","reason"} (leader trims old ones) |
 | `progress`                        | rank 0 worker     | none       | Progress: {"epoch","step","samples_s","world_size","loss","node","at"} |

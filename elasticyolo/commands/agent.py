@@ -79,6 +79,9 @@ _FLAG_FIELDS = ("etcd", "job", "node_id", "host", "addr", "slots", "ttl", "preem
 
 
 def run(args: argparse.Namespace) -> int:
+    from elasticyolo.priority import as_agent
+
+    as_agent()  # before any thread: lease renewals and heartbeats stay ahead of training (priority.py)
     from elasticyolo import log
     from elasticyolo.agent.daemon import Agent
     from elasticyolo.agent.drain import SpotDrain

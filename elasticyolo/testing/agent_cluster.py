@@ -88,8 +88,12 @@ class AgentCluster:
         return all(n in nodes and nodes[n].get("state") in ("IDLE", "TRAINING") for n in node_ids)
 
     def job_state(self) -> str | None:
+        return self.job_record().get("state")
+
+    def job_record(self) -> dict[str, Any]:
+        """The job's state record ({"state", "reason", ...}; {} before a submission)."""
         got = self.reader.get(self.keys.state)
-        return json.loads(got[0]).get("state") if got else None
+        return json.loads(got[0]) if got else {}
 
     def world(self) -> dict[str, Any]:
         got = self.reader.get(self.keys.world)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticyolo.priority import ETCD_NICE, nice_prefix
+
 DEPLOY_ETCD = Path(__file__).resolve().parents[2] / "deploy" / "etcd"
 
 
@@ -239,7 +241,9 @@ class EtcdCluster:
     def start_member(self, m: EtcdMember, wait: bool = True, timeout: float = 30.0) -> None:
         state = "existing" if m.data_dir.exists() else "new"
         log = open(m.log_path, "ab")
-        m.proc = subprocess.Popen(self._cmd(m, state), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        # At etcd's production priority (priority.py): a starved etcd lets every lease lapse at once.
+        m.proc = subprocess.Popen(nice_prefix(ETCD_NICE) + self._cmd(m, state), stdout=log, stderr=log,
+                                  stdin=subprocess.DEVNULL)
         log.close()
         if wait:
             self._wait_healthy(m, timeout)

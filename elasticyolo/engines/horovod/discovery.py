@@ -44,14 +44,66 @@ def slots_of(record: dict[str, Any], max_slots: int | None) -> int:
     return max(0, min(slots, max_slots) if max_slots else slots)
 
 
+# A node whose record vanished stays listed this long with its last record (unless the liveness
+# signals say it is lost): an agent whose lease lapsed re-registers within a tick or two, and a
+# record missing for one etcd poll must not cost the world a re-form. A dead agent is told apart
+# by its liveness verdict, long before this matters.
+RECORD_GONE_GRACE_S = 3.0
+
+
 @dataclass
 class Snapshot:
-    """One consistent read of the nodes and the worker exit reports."""
+    """One consistent read of the nodes, the worker exit reports and rank 0's progress."""
 
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     exits: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> report
     revision: int = 0
     at: float = 0.0  # monotonic time of the read
+    # `nodes` plus those whose record vanished less than RECORD_GONE_GRACE_S ago (last record)
+    listed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    step: int | None = None  # the world's step as rank 0 last reported it
+    step_changed_at: float | None = None  # monotonic time the reported step last advanced
+    step_period_s: float | None = None  # recent time between observed advances
+
+
+@dataclass
+class Remembered:
+    """What `ClusterView` carries from one read to the next (pure updates below)."""
+
+    last_seen: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)  # node -> (record, when)
+    step: int | None = None
+    step_changed_at: float | None = None
+    step_period_s: float | None = None
+
+
+def list_recent(nodes: dict[str, dict[str, Any]], memory: Remembered, now: float,
+                grace_s: float = RECORD_GONE_GRACE_S) -> dict[str, dict[str, Any]]:
+    """The nodes present plus those gone less than `grace_s` ago (updates `memory`)."""
+    for node, rec in nodes.items():
+        memory.last_seen[node] = (rec, now)
+    listed = dict(nodes)
+    for node, (rec, seen) in list(memory.last_seen.items()):
+        if node in nodes:
+            continue
+        if now - seen < grace_s:
+            listed[node] = rec
+        else:
+            del memory.last_seen[node]
+    return listed
+
+
+def note_step(step: int | None, memory: Remembered, now: float) -> None:
+    """Track when rank 0's reported step last advanced, and how often it does (an EMA)."""
+    if step is None:
+        return
+    if memory.step is None or step < memory.step:  # first sight, or a new submission/rollback
+        memory.step, memory.step_changed_at = step, now
+        return
+    if step > memory.step:
+        if memory.step_changed_at is not None:
+            gap = now - memory.step_changed_at
+            memory.step_period_s = gap if memory.step_period_s is None else 0.7 * memory.step_period_s + 0.3 * gap
+        memory.step, memory.step_changed_at = step, now
 
 
 class ClusterView:
@@ -61,6 +113,7 @@ class ClusterView:
         self.client, self.keys, self.period = client, keys, period
         self.log = get_logger("elasticyolo.discovery", job=keys.job)
         self.snapshot = Snapshot()
+        self.memory = Remembered()
         self.cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cluster-view", daemon=True)
@@ -80,6 +133,7 @@ class ClusterView:
         ranges = []
         for prefix in (self.keys.nodes, self.keys.exits):
             ranges.append({"request_range": {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix))}})
+        ranges.append({"request_range": {"key": b64(self.keys.progress)}})
         try:
             result = self.client.txn([], ranges, [], )
         except (UnavailableError, EtcdError) as exc:
@@ -89,7 +143,7 @@ class ClusterView:
             return False
         self._errors = 0
         snap = Snapshot(revision=int(result["header"]["revision"]), at=time.monotonic())
-        responses = result.get("responses") or [{}, {}]
+        responses = result.get("responses") or [{}, {}, {}]
         for i, target in enumerate((snap.nodes, snap.exits)):
             for kv in responses[i].get("response_range", {}).get("kvs") or []:
                 key = _unb64(kv["key"]).decode()
@@ -97,6 +151,10 @@ class ClusterView:
                     target[key.rsplit("/", 1)[-1]] = json.loads(_unb64(kv.get("value")))
                 except ValueError:
                     continue
+        snap.listed = list_recent(snap.nodes, self.memory, snap.at)
+        note_step(_step_of(responses[2] if len(responses) > 2 else {}), self.memory, snap.at)
+        snap.step, snap.step_changed_at = self.memory.step, self.memory.step_changed_at
+        snap.step_period_s = self.memory.step_period_s
         with self.cond:
             self.snapshot = snap
             self.cond.notify_all()
@@ -137,13 +195,22 @@ class EtcdHostDiscovery(HostDiscovery):
         # A fresh dict every call: Horovod keeps the previous one to diff against.
         out: dict[str, int] = {}
         lost = self.exclude() if self.exclude is not None else set()
-        for node_id, rec in sorted(self.view.snapshot.nodes.items()):
+        for node_id, rec in sorted(self.view.snapshot.listed.items()):
             if node_id in lost:
                 continue
             n = slots_of(rec, self.max_slots)
             if n > 0:
                 out[node_id] = n
         return out
+
+
+def _step_of(response: dict[str, Any]) -> int | None:
+    for kv in response.get("response_range", {}).get("kvs") or []:
+        try:
+            return int(json.loads(_unb64(kv.get("value"))).get("step"))
+        except (ValueError, TypeError, AttributeError):
+            return None
+    return None
 
 
 def _unb64(s: str | None) -> bytes:

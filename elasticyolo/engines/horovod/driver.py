@@ -32,8 +32,9 @@ from elasticyolo.cluster.liveness import LivenessServer, Verdict
 from elasticyolo.engines.horovod.abort import ABORT
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
 from elasticyolo.engines.horovod.failures import (PEER_GRACE_S, RESET_GRACE_S, SlotFacts, abort_targets, etcd_answers,
-                                                  excluded_hosts, slot_outcome)
+                                                  excluded_hosts, lost_nodes, slot_outcome, world_stalled)
 from elasticyolo.engines.horovod.registry import GuardedWorkerRegistry
+from elasticyolo.engines.horovod.round_policy import is_crash
 from elasticyolo.engines.horovod.rendezvous import BoundRendezvousServer, rendezvous_handler
 from elasticyolo.engines.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
@@ -60,12 +61,14 @@ class FencedElasticDriver(ElasticDriver):
     (engines/horovod/registry.py)."""
 
     def __init__(self, *args: Any, superseded: Callable[[], bool], absent_in: Callable[[], int | None] = lambda: None,
-                 on_register: Callable[[], None] = lambda: None, reset_limit: int | None = None, **kwargs: Any) -> None:
+                 on_register: Callable[[], None] = lambda: None, reset_limit: int | None = None,
+                 crashed: Callable[[], bool] = lambda: False, **kwargs: Any) -> None:
         super().__init__(*args, reset_limit=reset_limit, **kwargs)
         self._worker_registry = GuardedWorkerRegistry(self, self._host_manager, reset_limit=reset_limit)
         self._superseded = superseded
         self._absent_in = absent_in
         self._on_register = on_register
+        self._crashed = crashed
 
     def record_ready(self, host: str, slot: int) -> Any:
         # A worker registers in a reset (the rendezvous handler's thread; blocks in the barrier).
@@ -76,6 +79,9 @@ class FencedElasticDriver(ElasticDriver):
         if self._superseded():
             return
         rendezvous_id = self._absent_in()
+        if self._crashed() and self.has_rank_assignment(slot_info.hostname, slot_info.local_rank):
+            registry: GuardedWorkerRegistry = self._worker_registry  # type: ignore[assignment]
+            registry.note_crash(slot_info.hostname, slot_info.local_rank)
         if rendezvous_id is not None:
             if self.has_rank_assignment(slot_info.hostname, slot_info.local_rank):
                 registry: GuardedWorkerRegistry = self._worker_registry  # type: ignore[assignment]
@@ -120,17 +126,20 @@ class DriverRunner:
                  addr: str, lease: Callable[[], int], node_id: str, liveness: LivenessServer | None = None) -> None:
         self.client, self.keys, self.election, self.spec = client, keys, election, spec
         self.addr, self.lease, self.node_id = addr, lease, node_id
-        self.term = election.term
+        self.term = election.term  # the term its workers were started under (quiesce requests name it)
+        self.lead_term = self.term  # the term it writes under now (a new one after `adopt`)
         self.log = get_logger("elasticyolo.driver", job=keys.job, node=node_id, term=self.term)
         self.view = ClusterView(client, keys)
         self.liveness = liveness  # fast failure signals (cluster/liveness.py); None: the lease only
         self._slot_owner: dict[tuple[str, int], str] = {}  # (host, local rank) -> newest request id
         self._superseded: set[int] = set()  # worker threads whose exit Horovod must ignore
         self._absent: dict[int, int] = {}  # worker thread -> the reset its worker was absent from
+        self._crashes: set[int] = set()  # worker threads whose worker crashed (round_policy.is_crash)
         self._reset_seen: tuple[int, float] | None = None  # (rendezvous id, when its first worker registered)
         self._peers_seen: tuple[int, float] | None = None  # (rendezvous id, when every live worker had registered)
         self._excluded: set[str] = set()  # lost nodes discovery leaves out (failures.excluded_hosts)
         self._deferred: dict[str, Verdict] = {}  # verdicts to act on once etcd answers again
+        self._acted_on: set[str] = set()  # lost nodes the world was already told about
         self._liveness_lock = threading.Lock()
         self.driver: ElasticDriver | None = None
         self.result: str | None = None  # JOB_DONE / JOB_FAILED once finished
@@ -138,6 +147,7 @@ class DriverRunner:
         self._stopping = threading.Event()
         self._seq = 0
         self._seq_lock = threading.Lock()
+        self._requests: dict[str, str] = {}  # launch key -> the request this driver wrote there (live workers)
         self._world_written: Any = None
         self._mismatch_since: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"horovod-driver-{self.term}", daemon=True)
@@ -161,6 +171,24 @@ class DriverRunner:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def adopt(self, term: int) -> None:
+        """This node leads again (term `term`) after its lease lapsed: keep the running world.
+        The launch requests went with the old lease; they are written again as they were (same
+        ids: the launchers keep their workers) under the new lease and term. The workers keep the
+        term they were started with (`self.term`: quiesce requests name it, engines/drain.py)."""
+        self.log.info("driver kept across a lapsed lease", new_term=term)
+        self.lead_term = term
+        with self._seq_lock:
+            requests = dict(self._requests)
+        for key, request in requests.items():
+            try:
+                if not self.election.fenced_put(key, request, lease=self.lease()):
+                    self.log.warning("not leader any more; launch request not renewed", key=key)
+                    return
+            except (UnavailableError, EtcdError) as exc:
+                self.log.warning("could not renew a launch request", key=key, error=str(exc))
+        self._world_written = None  # the world record again, under the new term
+
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
@@ -180,7 +208,7 @@ class DriverRunner:
                                          timeout=spec.elastic_timeout_s, reset_limit=spec.reset_limit,
                                          cooldown_range=tuple(spec.cooldown_s),
                                          superseded=self._take_superseded, absent_in=self._take_absent,
-                                         on_register=self._on_register)
+                                         on_register=self._on_register, crashed=self._take_crashed)
             self.driver = driver
             if self._stopping.is_set():
                 driver.stop()
@@ -235,6 +263,14 @@ class DriverRunner:
             return True
         return False
 
+    def _take_crashed(self) -> bool:
+        # Called by Horovod on the worker's thread right after create_worker returned.
+        ident = threading.get_ident()
+        if ident in self._crashes:
+            self._crashes.discard(ident)
+            return True
+        return False
+
     def _take_absent(self) -> int | None:
         # Called by Horovod on the worker's thread right after create_worker returned.
         return self._absent.pop(threading.get_ident(), None)
@@ -256,6 +292,7 @@ class DriverRunner:
             return
         driver = self.driver
         lost = {n for n, v in changes.items() if v in (Verdict.DEAD, Verdict.SUSPECT)} & self._lost_nodes()
+        self._acted_on |= lost
         if not lost or driver is None or driver.finished():
             return
         try:
@@ -273,6 +310,17 @@ class DriverRunner:
         for host, slot in targets:
             threading.Thread(target=_notify_abort, args=(clients[(host, slot)], stamp, self.log), daemon=True,
                              name=f"abort-{host}-{slot}").start()
+
+    def _act_on_stalled_suspects(self) -> None:
+        """A suspect node becomes lost when the world stops stepping after its verdict (the
+        liveness listener saw the verdict while the world still stepped): act on it then."""
+        if self.liveness is None:
+            return
+        lost = self._lost_nodes()
+        newly = lost - self._acted_on
+        self._acted_on &= lost  # one that came back is acted on again when lost again
+        if newly:
+            self._on_liveness({n: Verdict.SUSPECT for n in newly})
 
     def _etcd_answers(self) -> bool:
         if self.liveness is None:
@@ -304,7 +352,7 @@ class DriverRunner:
 
         prefix = self.keys.launch_prefix
         try:
-            if self.election.is_leader and self.election.term == self.term:
+            if self.election.is_leader and self.election.term == self.lead_term:
                 self.client.txn([self.election.fenced_txn_compare()], [{"request_delete_range": {
                     "key": b64(prefix), "range_end": b64(prefix_range_end(prefix))}}], [])
         except (UnavailableError, EtcdError) as exc:
@@ -369,6 +417,7 @@ class DriverRunner:
                     if self.election.fenced_put(self.keys.world, json.dumps(world)):
                         self._world_written = assignments
                 self._renotify(self.driver)
+                self._act_on_stalled_suspects()
             except (UnavailableError, EtcdError, RuntimeError) as exc:  # RuntimeError: dict changed size
                 self.log.debug("world not written", error=str(exc))
             self._stopping.wait(0.25)
@@ -402,9 +451,14 @@ class DriverRunner:
             log.info("worker requested", size=slot.size)
             owner = (slot.hostname, slot.local_rank)
             self._slot_owner[owner] = request_id
+            with self._seq_lock:
+                self._requests[key] = json.dumps(request)
             try:
                 return self._await_exit(slot, request_id, key, events, log)
             finally:
+                with self._seq_lock:
+                    if json.loads(self._requests.get(key, "{}")).get("id") == request_id:
+                        del self._requests[key]
                 self._forget(request_id)
                 if self._slot_owner.get(owner) != request_id:
                     log.info("a newer request owns the slot; this exit is not reported to Horovod")
@@ -429,6 +483,8 @@ class DriverRunner:
             what, code = got
             if what == "exit":
                 log.info("worker exited", code=code)
+                if is_crash(code):
+                    self._crashes.add(threading.get_ident())
                 return code, time.time()
             if what == "left":
                 log.info("node lost; its worker had left the world already",
@@ -454,14 +510,18 @@ class DriverRunner:
             return code, time.time()
 
     def _tokens(self) -> dict[str, str]:
-        return {n: str(r.get("liveness_token") or "") for n, r in self.view.snapshot.nodes.items()}
+        return {n: str(r.get("liveness_token") or "") for n, r in self.view.snapshot.listed.items()}
 
     def _lost_nodes(self) -> set[str]:
         # Only verdicts of connections that proved to be the node (its record's token), and none
         # newly while etcd does not answer us (failures.py).
         if self.liveness is None:
             return set()
-        lost = self.liveness.lost(self._tokens())
+        tokens = self._tokens()
+        silent = self.liveness.lost(tokens)
+        snap = self.view.snapshot
+        stalled = world_stalled(snap.step_changed_at, snap.step_period_s, time.monotonic())
+        lost = lost_nodes({n: self.liveness.verdict(n, tokens.get(n)) for n in silent}, stalled)
         with self._liveness_lock:
             self._excluded = excluded_hosts(lost, self._excluded, self._etcd_answers())
             return set(self._excluded)
@@ -469,7 +529,7 @@ class DriverRunner:
     def _verdict(self, node: str) -> Verdict:
         if self.liveness is None or not self._etcd_answers():
             return Verdict.UNKNOWN  # cut off, we cannot tell their silence from ours: the lease decides
-        rec = self.view.snapshot.nodes.get(node)
+        rec = self.view.snapshot.listed.get(node)
         # A node whose record is gone (lease expired) keeps the verdict its last connection earned.
         return self.liveness.verdict(node, None if rec is None else str(rec.get("liveness_token") or ""))
 
@@ -493,7 +553,7 @@ class DriverRunner:
                         self._peers_seen = (reset_id, now)
                     peers = now - self._peers_seen[1]
         return SlotFacts(exit_code=exit_code, stopping=stopping, liveness=self._verdict(host),
-                         record_present=host in snap.nodes or snap.at <= started, assigned=assigned,
+                         record_present=host in snap.listed or snap.at <= started, assigned=assigned,
                          registered=registered, reset_pending_s=pending, peers_registered_s=peers,
                          reset_id=reset_id)
 
@@ -507,10 +567,23 @@ class DriverRunner:
         return all(slot in states for slot in world)
 
     def _withdraw(self, key: str, request_id: str) -> None:
+        """Tell the node's launcher to stop this request's worker: a stop record in place of the
+        request, written only while this driver's term leads and the request is still the one
+        there (a deposed driver stops nothing; a newer request is left alone)."""
+        from elasticyolo.cluster.etcd import b64
+
         try:
             got = self.client.get(key)
-            if got is not None and json.loads(got[0]).get("id") == request_id:
-                self.client.delete_if_mod_revision(key, got[1])
+            if got is None or json.loads(got[0]).get("id") != request_id:
+                return
+            stop = json.dumps({"action": "stop", "id": request_id, "term": self.term, "at": time.time()})
+            put: dict[str, Any] = {"key": b64(key), "value": b64(stop)}
+            if self.lease():
+                put["lease"] = str(self.lease())
+            if self.election.is_leader and self.election.term == self.lead_term:
+                self.client.txn([self.election.fenced_txn_compare(),
+                                 {"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(got[1])}],
+                                [{"request_put": put}], [])
         except (UnavailableError, EtcdError, ValueError) as exc:
             self.log.warning("could not withdraw launch request", key=key, error=str(exc))
 

@@ -1,9 +1,12 @@
 """Worker launcher, one per agent: turns the leader's launch requests into worker processes.
 
-The leader's driver writes `launch/<node>/<local_rank>` = {"id", "env", ...}; `reconcile()`
-(called from the agent loop, which also owns the processes' parent thread — see engines/lifeline.py)
-starts a worker for every request it has not run yet and kills workers whose request was
-withdrawn or replaced. A waiter thread per worker reports its exit code at `exit/<id>` (leased
+The leader's driver writes `launch/<node>/<local_rank>` = {"action": "start", "id", "env", ...};
+`reconcile()` (called from the agent loop, which also owns the processes' parent thread — see
+engines/lifeline.py) starts a worker for every request it has not run yet and kills workers whose
+request was withdrawn (the driver wrote {"action": "stop", "id"} for it) or replaced (a request
+with another id). A request that is merely gone (it is leased by the leader, so a leader whose
+lease lapsed takes its requests along) stops nothing: only a driver decides that a worker leaves
+the world, and the next leader's driver replaces or withdraws the request. A waiter thread per worker reports its exit code at `exit/<id>` (leased
 by this node, so reports vanish with it) and streams the worker's output into the agent log.
 
 Workers start through `engines/spawn.py` (own session, so `killpg` takes the whole tree; they die
@@ -80,6 +83,7 @@ class Launcher:
     def reconcile(self, enabled: bool) -> None:
         """Make the running workers match the launch requests (all stopped when not enabled)."""
         wanted: dict[int, dict[str, Any]] = {}
+        withdrawn: dict[int, str] = {}  # slot -> the request id its driver stopped
         if enabled:
             prefix = self.keys.launch(self.node_id)
             for key, value, _ in self.client.get_prefix(prefix):
@@ -89,12 +93,19 @@ class Launcher:
                     continue
                 if req.get("action") == "start" and req.get("id"):
                     wanted[slot] = req
+                elif req.get("action") == "stop" and req.get("id"):
+                    withdrawn[slot] = str(req["id"])
         with self._lock:
             running = dict(self.workers)
         for slot, w in running.items():
+            if not enabled:
+                self._terminate(w, "job inactive or node leaving")
+                continue
             req = wanted.get(slot)
-            if req is None or req["id"] != w.request_id:
-                self._terminate(w, "request withdrawn" if req is None else "request replaced")
+            if req is not None and req["id"] != w.request_id:
+                self._terminate(w, "request replaced")
+            elif req is None and withdrawn.get(slot) == w.request_id:
+                self._terminate(w, "request withdrawn")
         for slot, req in wanted.items():
             if req["id"] in self.done_ids:
                 continue

@@ -8,6 +8,7 @@ it never blocks the loop for long. etcd hiccups are logged and retried on the ne
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ class HorovodNode(EngineNode):
         self.pool: "PrewarmPool | None" = None
         self._runner_key: tuple[int, int] | None = None  # (term, spec revision) the runner serves
         self._finished_key: tuple[int, int] | None = None
+        self._orphaned_at: float | None = None  # monotonic: the driver's leadership lapsed with the lease
         self._generation: int | None = None
         self._pruned = True  # older submissions' directories deleted (once their workers are gone)
         self.prewarm = prewarm_enabled() if prewarm is None else prewarm
@@ -82,6 +84,16 @@ class HorovodNode(EngineNode):
             self._manage_driver(agent, active and serving and agent.is_leader)
 
     def on_lose_leadership(self, agent: NodeAPI, reason: str) -> None:
+        from elasticyolo.agent.daemon import LEASE_LAPSED
+
+        if reason == LEASE_LAPSED and self.runner is not None and self.runner.alive():
+            # The lead may come back with the re-registered lease (the followers wait for that,
+            # cluster/election.py): the driver keeps the running world meanwhile. Its writes are
+            # fenced, so it changes nothing while another node leads.
+            self._orphaned_at = time.monotonic()
+            self.log.info("leadership lapsed with the lease; keeping the driver to take the lead back",
+                          grace_s=agent.election.reclaim_grace_s)
+            return
         self.release(f"lost leadership: {reason}")
 
     def on_drain(self, agent: NodeAPI, deadline: float) -> bool:
@@ -124,11 +136,22 @@ class HorovodNode(EngineNode):
 
     # ---- driver (leader only) -----------------------------------------------------------
     def _manage_driver(self, agent: NodeAPI, want: bool) -> None:
+        key = (agent.election.term, agent.job.generation)
+        if self._orphaned_at is not None and self.runner is not None:
+            if want and self.runner.alive() and self._runner_key is not None and self._runner_key[1] == key[1]:
+                self.runner.adopt(agent.election.term)  # the lead is back: same driver, same world
+                self._runner_key, self._orphaned_at = key, None
+                return
+            leader = agent.election.leader
+            other_leads = leader is not None and leader.node_id != agent.cfg.node_id and not agent.is_leader
+            if not want and not other_leads and time.monotonic() - self._orphaned_at < agent.election.reclaim_grace_s \
+                    and agent.job.active:
+                return  # still waiting to take the lead back
+        self._orphaned_at = None
         if not want:
             if self.runner is not None:
                 self.release("job inactive or not leader")
             return
-        key = (agent.election.term, agent.job.generation)
         if self.runner is not None and self._runner_key == key:
             if not self.runner.alive() and self.runner.result is not None:
                 self._finished_key = key

@@ -14,7 +14,10 @@ worker: 30 s). The sequence:
 3. the retry is a second READY of a slot already recorded: Horovod logs it and waits at the barrier
    anyway, as a second party.
 
-Two changes, both at the registry's lock:
+What happens once a reset's workers are all recorded is our own policy (round_policy.py), not
+Horovod's: a host is blacklisted only on evidence that it is broken, and churn never stops the job.
+
+Two more changes, both at the registry's lock:
 * `record_failure_if_absent`: a failure decided from the slot's absence in a reset is recorded only
   if the slot still has not registered in that same reset (atomic with registration, so step 1
   cannot happen);
@@ -30,7 +33,13 @@ import threading
 import time
 from typing import Any
 
+from horovod.runner.elastic import constants
 from horovod.runner.elastic.registration import FAILURE, WorkerStateRegistry
+
+from elasticyolo.engines.horovod.round_policy import CrashHistory, decide_round
+from elasticyolo.log import get_logger
+
+log = get_logger("elasticyolo.registry")
 
 # A duplicate registration waits for its reset to complete at most this long (then answers with
 # whatever the driver assigns: a reset never lasts this long without a failure of its own).
@@ -41,11 +50,50 @@ class GuardedWorkerRegistry(WorkerStateRegistry):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._round_changed = threading.Condition()
+        self._crashed: set[tuple[str, int]] = set()  # FAILURE slots of this round whose worker crashed
+        self._crash_reason: str | None = None
+        self.history = CrashHistory()
+        self.blacklisted: list[str] = []  # every host this policy blacklisted, in order
 
     def reset(self, size: int) -> None:
         super().reset(size)
+        with self._lock:
+            self._crashed = set()
         with self._round_changed:
             self._round_changed.notify_all()
+
+    def note_crash(self, host: str, slot: int, reason: str | None = None) -> None:
+        """The slot's worker crashed (called before its FAILURE is recorded)."""
+        with self._lock:
+            self._crashed.add((host, slot))
+            if reason:
+                self._crash_reason = reason
+
+    def _on_workers_recorded(self) -> None:
+        with self._lock:
+            states, crashed = dict(self._states), set(self._crashed)
+        decision = decide_round(states, crashed, self.history, self._reset_count, self._reset_limit,
+                                crash_reason=self._crash_reason)
+        log.info("workers recorded", size=self.size(), action=decision.action, crashed=sorted(crashed),
+                 blacklist=sorted(decision.blacklist), reason=decision.reason)
+        for host in decision.blacklist:
+            self._host_manager.blacklist(host)
+            self.blacklisted.append(host)
+        if decision.action == "finish":
+            self._driver.stop()
+            return
+        if decision.action == "fail":
+            message = decision.reason or "failed"
+            if self._reset_limit is not None and self._reset_count >= self._reset_limit:
+                message = constants.RESET_LIMIT_EXCEEDED_MESSAGE.format(self._reset_limit)
+            self._driver.stop(error_message=message)
+            return
+        try:
+            self._reset_count += 1
+            self._driver.resume()
+        except Exception as exc:  # noqa: BLE001 - as Horovod: a world that cannot be activated stops
+            logging.exception("failed to activate new hosts -> stop running")
+            self._driver.stop(error_message=f"could not activate a new world: {exc}")
 
     def record_failure_if_absent(self, host: str, slot: int, rendezvous_id: int) -> int | None:
         """Record FAILURE for a slot counted out for not registering in reset `rendezvous_id`,
