@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("cancel", "stop a job"),
     "train": ("train", "train in this process (single node, no etcd)"),
     "data": ("data", "dataset tools (data synth: generate a small detection dataset)"),
-    "checkpoints": ("checkpoints", "list, show, download or prune a job's checkpoints"),
+    "checkpoints": ("checkpoints", "list, show, download or prune a job's checkpoints; download its run folder"),
     "report": ("report", "draw a job's timeline: world size, samples/s, loss, mAP and events over time"),
     "discover-hosts": ("discover_hosts", "print host:slots lines for Horovod host discovery"),
     "worker": ("worker", "run one training worker (started by horovodrun or an agent)"),

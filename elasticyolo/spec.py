@@ -75,9 +75,12 @@ class TrainSpec(S3Settings):
     elastic_timeout_s: int = Field(600, ge=1)
 
     # Run outputs and model selection (Ultralytics' meanings).
-    project: str = Field("runs", description="parent of the run folder (`elasticyolo train`)")
-    name: str | None = Field(None, description="run folder name (default: the job name); an existing one gets "
-                                               "a number appended unless exist_ok")
+    project: str | None = Field(None, description="parent of `elasticyolo train`'s run folder: unset runs/detect, "
+                                                  "a relative path under runs/detect, an absolute one as is "
+                                                  "(`run_layout.py`; a cluster job's folder is in its store)")
+    name: str | None = Field(None, description="run folder name (default: the job name; also where `checkpoints "
+                                               "download --run` puts a cluster job's); an existing one gets -2, "
+                                               "-3, ... appended unless exist_ok")
     exist_ok: bool = False
     patience: int = Field(100, ge=0, description="stop after this many epochs without a better fitness (0: never)")
     save_period: int = Field(-1, description="also keep weights/epoch{N}.pt every N epochs (< 1: off)")

@@ -90,8 +90,9 @@ def test_train_at_a_terminal_shows_a_progress_bar(tmp_path: Path) -> None:
     assert rc == 0, text[-3000:]
     assert "epoch 2/2" in text and "32/32" in text and "done: epochs=2" in text, text[-3000:]
     # ... and leaves Ultralytics' run folder behind.
-    assert "results saved to runs/train" in text
-    assert all((tmp_path / "runs" / "train" / f).is_file() for f in ("results.csv", "results.png", "weights/best.pt"))
+    assert "results saved to runs/detect/train" in text
+    assert all((tmp_path / "runs" / "detect" / "train" / f).is_file()
+               for f in ("results.csv", "results.png", "weights/best.pt"))
 
 
 def test_a_batch_is_the_same_whichever_process_builds_it_and_however_often(tmp_path: Path) -> None:

@@ -316,6 +316,14 @@ def test_runs_to_the_end_and_resubmission_resumes_from_the_store(etcd_server, jo
                         "-o", str(best)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and best.stat().st_size == (run_dir / "weights" / "best.pt").stat().st_size, r.stderr
     assert (run_dir / "timeline.png").stat().st_size > 0  # drawn by rank 0 at the job's end
+    # One command copies the whole published folder here, laid out as Ultralytics'.
+    r = subprocess.run([ELASTICYOLO, "checkpoints", "download", "--run", "--job", job_name, "--store", store_uri],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    local = tmp_path / "runs" / "detect" / job_name
+    published = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file()) == published
+    assert Path("weights/best.pt") in published and Path("results.png") in published
     out = tmp_path / "timeline.png"
     r = subprocess.run([ELASTICYOLO, "report", "--job", job_name, "--etcd", etcd_server.endpoints, "--store",
                         store_uri, "--out", str(out)], capture_output=True, text=True, timeout=120)

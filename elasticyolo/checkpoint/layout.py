@@ -42,7 +42,8 @@ def latest_key(job: str) -> str:
 
 def run_key(job: str, path: str) -> str:
     """Ultralytics' run folder of a cluster job, next to its checkpoints (never pruned):
-    `<job>/run/{args.yaml, results.csv, results.png, timeline.png, weights/best.pt, weights/last.pt}`."""
+    `<job>/run/{args.yaml, results.csv, results.png, timeline.png, timeline/*.jsonl, weights/best.pt,
+    weights/last.pt, weights/epoch{N}.pt}`."""
     return f"{job}/run/{path}"
 
 

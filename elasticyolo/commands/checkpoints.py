@@ -1,7 +1,8 @@
 """`elasticyolo checkpoints list|show|download|prune --job NAME [--store URI]`.
 
 Manifests only (no torch): list/show/prune read JSON manifests, download copies bytes and checks
-their sha256 against the manifest.
+their sha256 against the manifest; `download --run` copies the job's whole run folder
+(`checkpoint/run_download.py`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("show", parents=[common], help="print one manifest as JSON")
     p.add_argument("which", nargs="?", default="latest", help="latest (default), a step, or a name from list")
 
-    p = sub.add_parser("download", parents=[common], help="download a checkpoint .pt (sha256-checked)")
+    p = sub.add_parser("download", parents=[common],
+                       help="download a checkpoint .pt (sha256-checked), best.pt, or the whole run folder")
     p.add_argument("which", nargs="?", default="latest", help="latest (default), a step, or a name from list")
     p.add_argument("-o", "--output", default=None,
-                   help="file or directory (default: ./<job>-step<N>.pt, with --best ./<job>-best.pt)")
-    p.add_argument("--best", action="store_true",
-                   help="the run's best.pt by Ultralytics' fitness (<job>/run/weights/best.pt; loads with YOLO(path))")
+                   help="file or directory (default: ./<job>-step<N>.pt, with --best ./<job>-best.pt); with --run "
+                        "the folder to write (default: runs/detect/<name>, the next free one, as Ultralytics)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--best", action="store_true",
+                       help="the run's best.pt by Ultralytics' fitness (<job>/run/weights/best.pt; loads with "
+                            "YOLO(path))")
+    which.add_argument("--run", action="store_true",
+                       help="the job's whole run folder (<job>/run/: args.yaml, results.csv, results.png, "
+                            "timeline.png, weights/...), laid out as Ultralytics'")
 
     p = sub.add_parser("prune", parents=[common], help="apply retention now")
     p.add_argument("--keep-last", type=int, required=True, help="keep the newest K checkpoints")
@@ -133,10 +141,10 @@ def _download(store: Any, args: argparse.Namespace) -> int:
     from elasticyolo.checkpoint import catalog
     from elasticyolo.checkpoint.restore import CorruptCheckpoint, download_verified
 
-    if args.best:
+    if args.best or args.run:
         if args.which != "latest":
-            raise UserError(f"--best and {args.which!r} both given: pick one")
-        return _download_best(store, args)
+            raise UserError(f"{'--best' if args.best else '--run'} and {args.which!r} both given: pick one")
+        return _download_best(store, args) if args.best else _download_run(store, args)
     m = catalog.find(store, args.job, args.which)
     try:
         out = _write_atomically(args.output, f"{args.job}-step{m.step}.pt", lambda f: download_verified(store, m, f))
@@ -179,6 +187,14 @@ def _download_best(store: Any, args: argparse.Namespace) -> int:
 
     out = _write_atomically(args.output, f"{args.job}-best.pt", fetch)
     print(f"{out}  best.pt of job {args.job}  {_human(info.size)}")
+    return 0
+
+
+def _download_run(store: Any, args: argparse.Namespace) -> int:
+    from elasticyolo.checkpoint.run_download import download_run
+
+    got = download_run(store, args.job, args.output)
+    print(f"{got.dest}  run folder of job {args.job}  {len(got.files)} files  {_human(got.size)}")
     return 0
 
 

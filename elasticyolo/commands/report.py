@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=os.environ.get(STORE_ENV),
                         help=f"checkpoint store of the job: its run folder's time series and checkpoints (default ${STORE_ENV})")
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (else the AWS config chain)")
-    parser.add_argument("--run-dir", default=None, help="a local run folder (elasticyolo train's runs/NAME)")
+    parser.add_argument("--run-dir", default=None, help="a local run folder (elasticyolo train's runs/detect/NAME)")
     parser.add_argument("--out", default="timeline.png", help="PNG to write (default timeline.png)")
 
 

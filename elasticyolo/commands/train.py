@@ -1,8 +1,10 @@
 """`elasticyolo train key=value ...`: train in this process (single node, no etcd).
 
-Writes Ultralytics' run folder (`project/name/`: args.yaml, results.csv, results.png,
-weights/last.pt and best.pt, and timeline/ + timeline.png as `elasticyolo report` draws it); `resume=true` or `resume=PATH/last.pt` continues a run from its
-last.pt with the options in its args.yaml (the command line's override them)."""
+Writes Ultralytics' run folder where Ultralytics would (`runs/detect/train`, then `train-2`, ...;
+`project=`, `name=`, `exist_ok=` as Ultralytics', `run_layout.py`): args.yaml, results.csv,
+results.png, weights/last.pt and best.pt, and timeline/ + timeline.png as `elasticyolo report` draws
+it. `resume=true` or `resume=PATH/last.pt` continues a run from its last.pt with the options in its
+args.yaml (the command line's override them)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ from elasticyolo.spec import TrainSpec
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("options", nargs="*", metavar="key=value",
                         help="model=yolov8n.yaml data=PATH epochs=E imgsz=S batch=B lr0=... policy=... "
-                             "project=runs name=JOB patience=100 save_period=-1 cfg=FILE.yaml resume=true|PATH")
+                             "project=DIR name=JOB exist_ok=false patience=100 save_period=-1 cfg=FILE.yaml "
+                             "resume=true|PATH")
     parser.add_argument("--progress-jsonl", type=argparse.FileType("w"), default=None,
                         help="also write one JSON record per step to this file")
     parser.add_argument("--job", default="train",
-                        help="job name: the run folder's default name, and the checkpoints' (with checkpoint=URI "
-                             "a rerun resumes this job)")
+                        help="job name: the run folder's default name (runs/detect/JOB), and the checkpoints' (with "
+                             "checkpoint=URI a rerun resumes this job)")
     parser.add_argument("--save", default=None, help="write the final checkpoint (.pt, loads with YOLO(path)) here")
 
 
@@ -35,19 +38,21 @@ def resume_source(options: list[str]) -> Path | None:
     value = spec_words[-1].partition("=")[2].strip()
     if value.lower() in ("", "false", "none", "0", "no"):
         return None
-    from elasticyolo.train.run_folder import latest_last_pt
+    from elasticyolo.run_layout import latest_last_pt, project_dir
 
     if value.lower() in ("true", "1", "yes"):
         words = dict(w.partition("=")[::2] for w in options if "=" in w)
-        project = words.get("project", "runs")
+        project = words.get("project") or None
         if words.get("name"):
-            path = Path(project) / words["name"] / "weights" / "last.pt"
+            run_dir = project_dir(project) / words["name"]
+            path = run_dir / "weights" / "last.pt"
             if not path.exists():
-                raise UserError(f"resume=true: {path} not found (nothing to resume in {project}/{words['name']})")
+                raise UserError(f"resume=true: {path} not found (nothing to resume in {run_dir})")
             return path
         found = latest_last_pt(project)
         if found is None:
-            raise UserError(f"resume=true: no run with weights/last.pt under {project}/ (pass resume=PATH/last.pt)")
+            raise UserError(f"resume=true: no run with weights/last.pt under {project_dir(project)}/ "
+                            "(pass resume=PATH/last.pt)")
         return found
     path = Path(value)
     if path.is_dir():
@@ -87,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
     resolve_for_spec(spec)  # an s3:// dataset is staged into the local cache first
     load_data_yaml(spec.data)  # fail fast with a clear line, before torch loads
     require_model(spec.model)
-    from elasticyolo.train.run_folder import new_run_dir
+    from elasticyolo.run_layout import save_dir as new_save_dir
 
-    save_dir = resume_pt.parent.parent if resume_pt else new_run_dir(spec.project, spec.name or args.job,
-                                                                      spec.exist_ok)
+    save_dir = resume_pt.parent.parent if resume_pt else new_save_dir(spec.project, spec.name or args.job,
+                                                                       spec.exist_ok)
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
     from elasticyolo.train.loop import TrainingLoop
     from elasticyolo.train.report import JsonLines, ProgressBar

@@ -1,6 +1,7 @@
-"""Ultralytics' run outputs: `<project>/<name>/` with args.yaml, results.csv (Ultralytics' column
-names), results.png (Ultralytics' own `plot_results`), weights/last.pt, weights/best.pt (by
-Ultralytics' fitness) and weights/epoch{N}.pt every `save_period` epochs.
+"""Ultralytics' run outputs in a run folder (`run_layout.save_dir`: `runs/detect/train`, ...):
+args.yaml, results.csv (Ultralytics' column names), results.png (Ultralytics' own `plot_results`),
+weights/last.pt, weights/best.pt (by Ultralytics' fitness) and weights/epoch{N}.pt every
+`save_period` epochs.
 
 A progress sink on the rank that reports (rank 0). The rows come from the per-epoch history the
 training loop keeps in its synced state (losses, metrics, LRs, time), so an epoch trained again
@@ -29,23 +30,6 @@ log = get_logger("elasticyolo.run_folder")
 METRIC_COLUMNS = {"precision": "metrics/precision(B)", "recall": "metrics/recall(B)",
                   "mAP50": "metrics/mAP50(B)", "mAP50-95": "metrics/mAP50-95(B)"}
 ARGS_FILE, RESULTS_CSV, RESULTS_PNG = "args.yaml", "results.csv", "results.png"
-
-
-def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
-    """`project/name`, or `name2`, `name3`, ... when it exists (Ultralytics' `increment_path`)."""
-    path = Path(project) / name
-    if exist_ok or not path.exists():
-        return path
-    n = 2
-    while (Path(project) / f"{name}{n}").exists():
-        n += 1
-    return Path(project) / f"{name}{n}"
-
-
-def latest_last_pt(project: str | Path) -> Path | None:
-    """The newest `*/weights/last.pt` under `project` (Ultralytics' `get_latest_run`)."""
-    found = list(Path(project).glob("*/weights/last.pt"))
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def results_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,6 +95,7 @@ class RunFolder:
         _atomic_write(self.args_yaml, yaml.safe_dump(args, sort_keys=False).encode())
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-folder")
         self._pending: list[Future[None]] = []
+        self.epoch_pt: Path | None = None  # weights/epoch{N}.pt written at the epoch end `on_epoch` is called for
 
     @property
     def last_pt(self) -> Path:
@@ -146,8 +131,10 @@ class RunFolder:
             write_checkpoint_file(weights, self.last_pt)
             if improved or not self.best_pt.exists():
                 _copy(self.last_pt, self.best_pt)
+            self.epoch_pt = None
             if self.spec.save_period > 0 and finished % self.spec.save_period == 0:
-                _copy(self.last_pt, self.weights / f"epoch{finished}.pt")
+                self.epoch_pt = self.weights / f"epoch{finished}.pt"
+                _copy(self.last_pt, self.epoch_pt)
             if self.on_epoch is not None:
                 self.on_epoch(self, improved)
         except Exception as exc:  # noqa: BLE001 - the run folder is a copy; training goes on

@@ -1,6 +1,8 @@
 """The run folder of a cluster job: written on the node of rank 0 (`<work dir>/<job>/`) and
 published next to the job's checkpoints in the store (`<job>/run/...`, `checkpoint/layout.py`),
-so it survives the node. Uploads run on one background thread: an epoch end never waits for S3.
+so it survives the node; `elasticyolo checkpoints download --run` copies the whole folder to a
+machine (`checkpoint/run_download.py`). Uploads run on one background thread: an epoch end never
+waits for S3.
 
 Whichever process holds rank 0 writes it (results.csv comes from the synced history); `best.pt`
 in the store is only replaced by an epoch that is the best so far (or when there is none yet),
@@ -56,6 +58,8 @@ class RunPublisher:
         self.upload(folder.last_pt, "weights/last.pt")
         if improved or not self.has("weights/best.pt"):
             self.upload(folder.best_pt, "weights/best.pt")
+        if folder.epoch_pt is not None:  # save_period
+            self.upload(folder.epoch_pt, f"weights/{folder.epoch_pt.name}")
 
     def finish(self, folder: RunFolder, extra: list[Path] = (), timeout: float = 120.0) -> None:  # type: ignore[assignment]
         for path in [folder.dir / "results.png", *extra]:
