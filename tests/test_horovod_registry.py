@@ -30,12 +30,16 @@ class Driver:
         self.registry: GuardedWorkerRegistry | None = None
         self.next_size = 2
         self.resumed: list[set[tuple[str, int]]] = []  # who had registered when each reset completed
+        self.forgotten: list[set[tuple[str, int]]] = []  # the failed slots started again by each resume
 
     def finished(self) -> bool:
         return False
 
     def stop(self, error_message: Any = None) -> None:
         raise AssertionError(f"the job must not stop: {error_message}")
+
+    def forget_slots(self, slots: set[tuple[str, int]]) -> None:
+        self.forgotten.append(set(slots))
 
     def resume(self) -> None:
         assert self.registry is not None
@@ -135,3 +139,4 @@ def test_a_host_whose_worker_alone_crashes_twice_is_blacklisted(setup: tuple) ->
             t.join(5)
         wait_for(lambda n=round_no: len(driver.resumed) == n + 1, 5, "the reset to complete")
     assert hosts.blacklisted == {"x"} and registry.blacklisted == ["x"]
+    assert driver.forgotten == [{("x", 0)}, {("x", 0)}]  # each resume starts the failed worker again

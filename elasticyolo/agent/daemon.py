@@ -105,6 +105,7 @@ class Agent:
         # Set by the CLI to the spot watcher's inject_signal: SIGTERM/SIGINT become notices.
         self.signal_sink: Callable[[int], None] | None = None
         self._conflict_since: float | None = None
+        self._lapsed = False  # the lease lapsed and the node has not registered again yet
         self._fatal: str | None = None
         self._event_seq = 0
         self._record_dirty = False
@@ -289,12 +290,15 @@ class Agent:
     def _reregister_in_place(self) -> None:
         """A member's lease lapsed: register again under a new lease, keeping the node's state and
         its workers (agent/state.py). A leader's key went with the old lease: it leads no more."""
-        if self.election.is_leader:
-            self.election.term = 0
-            self._lost_leadership(LEASE_LAPSED)
-        self.metrics.lease_lapses.inc()
-        self.log.warning("lease lapsed; re-registering in place", state=self.state.value)
+        if not self._lapsed:  # once per lapse, however many tries the registration takes
+            self._lapsed = True
+            if self.election.is_leader:
+                self.election.term = 0
+                self._lost_leadership(LEASE_LAPSED)
+            self.metrics.lease_lapses.inc()
+            self.log.warning("lease lapsed; re-registering in place", state=self.state.value)
         if self._try_register(keep_state=True):
+            self._lapsed = False
             self.write_event("lease", lapse=True, state=self.state.value)
 
     def _try_register(self, keep_state: bool = False) -> bool:

@@ -69,6 +69,21 @@ class FencedElasticDriver(ElasticDriver):
         self._absent_in = absent_in
         self._on_register = on_register
         self._crashed = crashed
+        self.restore_round = 1  # the reset whose workers restore from the newest snapshot (the first world)
+
+    def forget_slots(self, slots: set[tuple[str, int]]) -> None:
+        """Take these slots out of the current assignment, so that the next world starts workers
+        for them again (Horovod starts workers only for slots new to the assignment). Hosts stay
+        listed: the next world must share a host with this one to sync its state."""
+        for host, local_rank in slots:
+            if host in self._host_assignments:
+                self._host_assignments[host] = [s for s in self._host_assignments[host] if s.local_rank != local_rank]
+
+    def restore_next_world(self) -> None:
+        """No host of the last world remains: forget it, and let the next world's workers agree on
+        the newest snapshot (as a driver's first world does)."""
+        self._host_assignments = {}
+        self.restore_round = self._worker_registry.last_rendezvous() + 1
 
     def record_ready(self, host: str, slot: int) -> Any:
         # A worker registers in a reset (the rendezvous handler's thread; blocks in the barrier).
@@ -434,7 +449,7 @@ class DriverRunner:
             key = self.keys.launch_slot(slot.hostname, slot.local_rank)
             env = {**run_env, **create_slot_env_vars(slot)}
             assert self.driver is not None
-            if self.driver._worker_registry.last_rendezvous() == 1:
+            if self.driver._worker_registry.last_rendezvous() == getattr(self.driver, "restore_round", 1):
                 # This driver's first world: its workers agree on the newest snapshot
                 # (train/snapshots.py). Read before the request is written, so no later reset can
                 # have happened yet.

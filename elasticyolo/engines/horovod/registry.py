@@ -88,8 +88,22 @@ class GuardedWorkerRegistry(WorkerStateRegistry):
                 message = constants.RESET_LIMIT_EXCEEDED_MESSAGE.format(self._reset_limit)
             self._driver.stop(error_message=message)
             return
+        # Horovod starts workers only for slots new to the assignment: a failed worker on a host
+        # that stays (not blacklisted) is started again by making its slot new.
+        failed = {slot for slot, state in states.items() if state == FAILURE}
+        self._driver.forget_slots(failed)
         try:
             self._reset_count += 1
+            self._driver.resume()
+        except RuntimeError as exc:
+            if "No hosts from previous set remaining" not in str(exc):
+                logging.exception("failed to activate new hosts -> stop running")
+                self._driver.stop(error_message=f"could not activate a new world: {exc}")
+                return
+            # Every host of the last world is gone: the next one starts from the newest snapshot
+            # (train/snapshots.py, then S3) instead of a broadcast from a survivor.
+            log.warning("no host of the last world remains; the next world restores from the newest snapshot")
+            self._driver.restore_next_world()
             self._driver.resume()
         except Exception as exc:  # noqa: BLE001 - as Horovod: a world that cannot be activated stops
             logging.exception("failed to activate new hosts -> stop running")

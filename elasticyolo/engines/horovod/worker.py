@@ -270,7 +270,7 @@ def prepare_worker(spec: TrainSpec, core: TrainCore | None = None, local_rank: i
 # joiner, a peer lost meanwhile) fails `hvd.init()` (scripts/build_horovod.sh catches the Gloo
 # error in Horovod's background thread); the worker registers again for the next world, as after a
 # failed collective. Each attempt waits up to the spec's gloo_timeout_s.
-INIT_ATTEMPTS = 5
+INIT_ATTEMPTS = 10
 
 
 def init_horovod() -> None:
