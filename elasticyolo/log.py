@@ -50,26 +50,31 @@ def remove_tap(tap: Callable[[str], None]) -> None:
 
 
 class _TappedStream:
-    """The log stream: writes go to the stream, and complete lines to the taps."""
+    """The log stream. It passes on whole lines only, each thread's own (structlog prints a record
+    and its newline in two writes; a line forwarded from another thread must not land between
+    them), and gives each line to the taps."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self._partial = ""
+        self._partial: dict[int, str] = {}  # thread -> the start of its unfinished line
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        n = self._stream.write(text)
-        if _taps:
-            with self._lock:
-                *lines, self._partial = (self._partial + text).split("\n")
+        me = threading.get_ident()
+        with self._lock:
+            *lines, rest = (self._partial.pop(me, "") + text).split("\n")
+            if rest:
+                self._partial[me] = rest
             for line in lines:
-                line = _PRIORITY_PREFIX.sub("", line, count=1)
-                for tap in list(_taps):
-                    try:
-                        tap(line)
-                    except Exception:  # noqa: BLE001 - a tap never breaks logging
-                        pass
-        return n
+                self._stream.write(line + "\n")
+        for line in lines:
+            line = _PRIORITY_PREFIX.sub("", line, count=1)
+            for tap in list(_taps):
+                try:
+                    tap(line)
+                except Exception:  # noqa: BLE001 - a tap never breaks logging
+                    pass
+        return len(text)
 
     def flush(self) -> None:
         self._stream.flush()

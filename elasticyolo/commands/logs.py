@@ -161,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     job = keys.job if keys is not None else str(args.job)
     store = _store(args, client, keys, job)
     reader = LogReader(store, job, args.node)
-    _print(ordered(reader.tail(args.tail)), args.raw)
+    first = ordered(reader.tail(args.tail))
+    if not first and not reader._seen:
+        who = f"node {args.node} of job {job}" if args.node else f"job {job}"
+        print(f"elasticyolo logs: no logs of {who} in {store.uri} (yet)", file=sys.stderr)
+    _print(first, args.raw)
     if not args.follow:
         return 0
     quiet_after_end = 0

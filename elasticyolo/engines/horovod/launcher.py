@@ -167,6 +167,7 @@ class Launcher:
         with self._lock:
             running = list(self.workers.values())
         for w in running:
+            w.kill_at = w.kill_at or time.monotonic()  # asked to die: not a failure of its own
             kill_now(w.proc)
 
     def _wait(self, w: Worker) -> None:
