@@ -46,6 +46,11 @@ class LogReader:
         self.store, self.job, self.node = store, job, node
         self._seen: dict[str, tuple[int, int]] = {}  # key -> (size, lines already returned)
 
+    @property
+    def found(self) -> bool:
+        """Whether any segment was seen."""
+        return bool(self._seen)
+
     def segments(self) -> dict[str, list[Segment]]:
         from elasticyolo.agent.log_shipping import logs_prefix, parse_segment_key
 
@@ -152,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.job_name:
         args.job = args.job_name
+    if args.node:
+        from elasticyolo.cluster.keys import check_node_id
+
+        check_node_id(args.node)
     client, keys = (None, None)
     try:
         client, keys = client_from_args(args)
@@ -162,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     store = _store(args, client, keys, job)
     reader = LogReader(store, job, args.node)
     first = ordered(reader.tail(args.tail))
-    if not first and not reader._seen:
+    if not first and not reader.found:
         who = f"node {args.node} of job {job}" if args.node else f"job {job}"
         print(f"elasticyolo logs: no logs of {who} in {store.uri} (yet)", file=sys.stderr)
     _print(first, args.raw)

@@ -39,8 +39,6 @@ def run(args: argparse.Namespace) -> int:
     if spec.resume:
         raise UserError(f"resume={spec.resume}: a cluster job resumes by itself from its checkpoint store "
                         "(checkpoint=URI; resubmit with --replace and the same job name)")
-    if (warning := local_data_warning(spec.data)) is not None:
-        print(f"elasticyolo submit: warning: {warning}", file=sys.stderr)
     client, keys = client_from_args(args)
     by = f"{getpass.getuser()}@{socket.gethostname()}"
     if not submit_spec(client, keys, spec, by=by, replace=args.replace):
@@ -49,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"job {keys.job!r} already has a spec (state {state}); use --replace or cancel it first")
     print(f"job {keys.job} submitted: {spec.model} on {spec.data}, {spec.epochs} epochs, engine {spec.engine}",
           flush=True)
+    if (warning := local_data_warning(spec.data)) is not None:  # once submitted: an error stays one line
+        print(f"elasticyolo submit: warning: {warning}", file=sys.stderr, flush=True)
     if not args.follow:
         return 0
     got = client.get(keys.spec)
