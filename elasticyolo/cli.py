@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("status", "show the job's world: nodes, ranks, leader, progress, checkpoints"),
     "submit": ("submit", "store a training job spec in etcd"),
     "cancel": ("cancel", "stop a job"),
+    "logs": ("logs", "show a job's agent and worker logs (shipped to the job's store)"),
     "train": ("train", "train in this process (single node, no etcd)"),
     "data": ("data", "dataset tools (data synth: generate a small detection dataset)"),
     "checkpoints": ("checkpoints", "list, show, download or prune a job's checkpoints; download its run folder"),
@@ -79,33 +80,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
-    except UserError as exc:
-        print(f"elasticyolo {name}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
         return 130
-    except ModuleNotFoundError as exc:  # imported lazily by the command: a missing optional dependency
-        if os.environ.get(DEBUG_ENV):
-            raise
-        print(f"elasticyolo {name}: error: needs the Python package {exc.name!r}, which is not installed "
-              f"(worker-side commands need `pip install elasticyolo[train]`)", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a path we cannot create, read or write: what failed and where
-        if os.environ.get(DEBUG_ENV):
-            raise
-        print(f"elasticyolo {name}: error: {os_error_text(exc)}", file=sys.stderr)
-        return 1
     except Exception as exc:  # noqa: BLE001 - never a traceback for a user; ELASTICYOLO_DEBUG=1 shows it
-        if os.environ.get(DEBUG_ENV):
+        message, code, unexpected = error_line(name, exc)
+        on_error = getattr(module, "on_error", None)
+        if on_error is not None:  # e.g. a worker tells its agent why it failed
+            on_error(args, message, code)
+        if os.environ.get(DEBUG_ENV) and not isinstance(exc, UserError):
             raise
-        if name in DAEMONS:  # their stderr is a log: the traceback goes in one structured record
-            from elasticyolo.log import get_logger
+        hint = f" ({DEBUG_ENV}=1 shows the traceback)" if unexpected else ""
+        print(f"elasticyolo {name}: error: {message}{hint}", file=sys.stderr)
+        return code
 
-            get_logger("elasticyolo.cli").exception("crashed", command=name, error=f"{type(exc).__name__}: {exc}")
-        where = _innermost_frame(exc)
-        print(f"elasticyolo {name}: error: {type(exc).__name__}: {_first_line(exc)} (at {where}; "
-              f"{DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
-        return 1
+
+def error_line(name: str, exc: Exception) -> tuple[str, int, bool]:
+    """What a command that raised `exc` prints (one line, after `elasticyolo NAME: error: `), its
+    exit status, and whether the error is unexpected (a bug or an environment problem rather than
+    bad input: its traceback may help)."""
+    if isinstance(exc, UserError):
+        return str(exc), exc.exit_code, False
+    if isinstance(exc, ModuleNotFoundError):  # imported lazily by the command: a missing optional dependency
+        return (f"needs the Python package {exc.name!r}, which is not installed "
+                f"(worker-side commands need `pip install elasticyolo[train]`)"), 2, False
+    if isinstance(exc, OSError):  # a path we cannot create, read or write: what failed and where
+        return os_error_text(exc), 1, False
+    if name in DAEMONS and not os.environ.get(DEBUG_ENV):
+        # Their stderr is a log: the traceback goes in one structured record.
+        from elasticyolo.log import get_logger
+
+        get_logger("elasticyolo.cli").exception("crashed", command=name, error=f"{type(exc).__name__}: {exc}")
+    return f"{type(exc).__name__}: {_first_line(exc)} (at {_innermost_frame(exc)})", 1, True
 
 
 def os_error_text(exc: OSError) -> str:

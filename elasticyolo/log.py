@@ -5,13 +5,20 @@ One pipeline for everything the process logs: structlog's own loggers and the st
 JSON object per line with `level`, `logger`, `timestamp` and `event`. When stderr is journald's
 stream (systemd sets `$JOURNAL_STREAM` to its device:inode), each line starts with the syslog
 priority prefix `<N>` that journald reads as the entry's level (`journalctl -p warning` works).
+
+Taps (`add_tap`) get every complete line written to the log stream, without that prefix: the
+agent ships them to the job's store (`agent/log_shipping.py`). A child's output that the agent
+forwards (`forward_line`) goes to the same stream, so the journal and the taps see it too.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import sys
+import threading
 from typing import Any, Callable
 
 import structlog
@@ -24,6 +31,74 @@ SYSLOG_PRIORITY = {"critical": 2, "exception": 3, "error": 3, "warning": 4, "war
 # Chatty libraries stay at WARNING unless the level asked for is debug.
 NOISY_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3", "werkzeug", "filelock", "matplotlib", "PIL")
 _HANDLER_NAME = "elasticyolo"
+_PRIORITY_PREFIX = re.compile(r"^<[0-7]>")
+
+_taps: list[Callable[[str], None]] = []
+_stream: Any = None  # the configured stream (a _TappedStream)
+_journal = False  # it is journald's: forwarded lines get a priority prefix
+
+
+def add_tap(tap: Callable[[str], None]) -> None:
+    """Call `tap(line)` for every complete line written to the log stream from now on (no trailing
+    newline, no journald prefix). A tap must be quick and must not log."""
+    _taps.append(tap)
+
+
+def remove_tap(tap: Callable[[str], None]) -> None:
+    if tap in _taps:
+        _taps.remove(tap)
+
+
+class _TappedStream:
+    """The log stream. It passes on whole lines only, each thread's own (structlog prints a record
+    and its newline in two writes; a line forwarded from another thread must not land between
+    them), and gives each line to the taps."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._partial: dict[int, str] = {}  # thread -> the start of its unfinished line
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        me = threading.get_ident()
+        with self._lock:
+            *lines, rest = (self._partial.pop(me, "") + text).split("\n")
+            if rest:
+                self._partial[me] = rest
+            for line in lines:
+                self._stream.write(line + "\n")
+        for line in lines:
+            line = _PRIORITY_PREFIX.sub("", line, count=1)
+            for tap in list(_taps):
+                try:
+                    tap(line)
+                except Exception:  # noqa: BLE001 - a tap never breaks logging
+                    pass
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def forward_line(line: str) -> None:
+    """Write one line of a child process's output (its own log record, or anything it printed) to
+    this process's log stream, with journald's priority prefix when the stream is the journal and
+    the line has none (a JSON record's level, else info)."""
+    stream = _stream if _stream is not None else sys.stderr
+    line = line.rstrip("\n")
+    if _journal and not _PRIORITY_PREFIX.match(line):
+        level = "info"
+        if line.startswith("{"):
+            try:
+                level = str(json.loads(line).get("level") or "info").lower()
+            except (ValueError, AttributeError):
+                pass
+        line = f"<{SYSLOG_PRIORITY.get(level, 6)}>{line}"
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def _want_json(stream: Any) -> bool:
@@ -65,7 +140,7 @@ def _logger_name(logger: Any, method_name: str, event_dict: dict[str, Any]) -> d
 def configure(level: str | None = None, stream: Any = None) -> None:
     """Configure structlog and the standard library's root logger (idempotent; the last call
     wins). Logs go to stderr by default."""
-    global _configured
+    global _configured, _stream, _journal
     stream = stream or sys.stderr
     level_name = (level or os.environ.get("ELASTICYOLO_LOG_LEVEL", "info")).upper()
     level_no = getattr(logging, level_name, logging.INFO)
@@ -74,8 +149,11 @@ def configure(level: str | None = None, stream: Any = None) -> None:
         if _want_json(stream)
         else structlog.dev.ConsoleRenderer(colors=hasattr(stream, "isatty") and stream.isatty())
     )
-    if on_journal(stream):
+    _journal = on_journal(stream)
+    if _journal:
         renderer = journald_prefixed(renderer)
+    raw, stream = stream, _TappedStream(stream)
+    _stream = stream
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -98,7 +176,7 @@ def configure(level: str | None = None, stream: Any = None) -> None:
     root = logging.getLogger()
     for old in list(root.handlers):
         if old.get_name() == _HANDLER_NAME or isinstance(old, logging.StreamHandler) and \
-                getattr(old, "stream", None) in (sys.stderr, sys.stdout, stream):
+                getattr(old, "stream", None) in (sys.stderr, sys.stdout, raw):
             root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level_no)

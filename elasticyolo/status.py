@@ -15,6 +15,7 @@ from typing import Any
 from elasticyolo import cost
 from elasticyolo.cluster.etcd import EtcdClient, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.engines.worker_errors import current_errors
 
 _SINGLE_KEYS = ("leader", "spec", "state", "world", "progress", "checkpoint_latest")
 # Drain-related events shown by status (the newest EVENTS_SHOWN of the job's event log).
@@ -48,6 +49,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     ranges.append({"request_range": {"key": b64(keys.billing), "range_end": b64(prefix_range_end(keys.billing))}})
     ranges.append({"request_range": {"key": b64(keys.suspects), "range_end": b64(prefix_range_end(keys.suspects)),
                                      "keys_only": True}})
+    ranges.append({"request_range": {"key": b64(keys.errors), "range_end": b64(prefix_range_end(keys.errors))}})
     result = client.txn([], ranges, [])
     responses = result.get("responses") or []
     values: dict[str, tuple[Any, int] | None] = {}
@@ -73,6 +75,10 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
                 for kv in (responses[len(_SINGLE_KEYS) + 4].get("response_range", {}).get("kvs") or []
                            if len(responses) > len(_SINGLE_KEYS) + 4 else [])}
 
+    error_recs = [_json(_unb64(kv.get("value"))) for kv in
+                  (responses[len(_SINGLE_KEYS) + 5].get("response_range", {}).get("kvs") or []
+                   if len(responses) > len(_SINGLE_KEYS) + 5 else [])]
+
     leader_v = values["leader"]
     leader_id = leader_v[0].get("node_id") if leader_v and isinstance(leader_v[0], dict) else None
     leader_term = leader_v[1] if leader_v else None
@@ -80,6 +86,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     progress = _dict(values["progress"])
     checkpoint = _dict(values["checkpoint_latest"])
     spec = values["spec"][0] if values["spec"] else None
+    generation = values["spec"][1] if values["spec"] else None  # the submission (spec mod revision)
     state_rec = _dict(values["state"])
     job_state = state_rec.get("state") if state_rec else ("submitted" if spec is not None else "none")
 
@@ -133,6 +140,11 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
     return {
         "job": keys.job,
         "state": job_state,
+        "reason": state_rec.get("reason"),  # why the job failed or was cancelled
+        "generation": generation,
+        # Each node's latest worker error in this submission (engines/worker_errors.py).
+        "worker_errors": [{k: e.get(k) for k in ("node", "slot", "code", "reason", "at")}
+                          for e in current_errors(error_recs, generation)],
         "world_size": world_size,
         "leader": leader_id,
         "leader_term": leader_term,
@@ -263,6 +275,13 @@ def _event_text(ev: dict[str, Any]) -> str:
     return f"{at}  {ev.get('node')}  {what}: {detail}"
 
 
+def worker_error_text(e: dict[str, Any]) -> str:
+    """`n2: /data/x.yaml: data.yaml not found  (slot 0, exit 2, 12s ago)`."""
+    at = e.get("at")
+    ago = f", {_ago(time.time() - at)} ago" if isinstance(at, (int, float)) else ""
+    return f"{e.get('node')}: {e.get('reason')}  (slot {_fmt(e.get('slot'))}, exit {_fmt(e.get('code'))}{ago})"
+
+
 def _usd(v: Any) -> str:
     return "-" if v is None else f"${v:,.2f}" if abs(v) >= 100 else f"${v:.3f}"
 
@@ -354,8 +373,10 @@ def render_table(view: dict[str, Any], *, color: bool = False, width: int | None
         ("EPOCH", _fmt(view["epoch"])), ("STEP", _fmt(view["step"])), ("SAMPLES/S", _fmt(view["samples_s"])),
         ("LEADER", f"{view['leader']} (term {view['leader_term']})" if view["leader"] else "-"),
     ]
-    lines = ["  ".join(f"{k} {v}" for k, v in head), f"CHECKPOINT {_checkpoint_text(view['last_checkpoint'])}",
-             cost_text(view), ""]
+    lines = ["  ".join(f"{k} {v}" for k, v in head)]
+    if view.get("reason") and view["state"] not in ("running", "submitted"):
+        lines.append(f"REASON {view['reason']}")
+    lines += [f"CHECKPOINT {_checkpoint_text(view['last_checkpoint'])}", cost_text(view), ""]
     columns = node_columns(view)
     rows = node_rows(view)
     if not rows:
@@ -375,6 +396,9 @@ def render_table(view: dict[str, Any], *, color: bool = False, width: int | None
                           force_terminal=color, highlight=False, soft_wrap=False)
         console.print(table)
         lines += [line.rstrip() for line in out.getvalue().rstrip("\n").splitlines()]
+    if view.get("worker_errors"):
+        lines += ["", "WORKER ERRORS (the latest of each node)"] + \
+            ["  " + worker_error_text(e) for e in view["worker_errors"]]
     if view.get("events"):
         lines += ["", "EVENTS"] + ["  " + _event_text(ev) for ev in view["events"]]
     return "\n".join(lines)

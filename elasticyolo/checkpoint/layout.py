@@ -4,6 +4,7 @@
     <root>/<job>/manifests/<step:012d>-<stamp>-<id>.json   written only after the object verified
     <root>/<job>/latest.json                               copy of the newest landed manifest
     <root>/<job>/run/...                                   Ultralytics' run folder (results, best.pt)
+    <root>/<job>/logs/<node>/...                           the agents' logs (agent/log_shipping.py)
 
 Zero-padded steps make lexicographic listing order = training order. A manifest exists only for a
 checkpoint whose upload completed and was verified, so a half-written object is never "a checkpoint".

@@ -90,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_agent_config(args.config, {name: getattr(args, name) for name in _FLAG_FIELDS})
     log.configure(cfg.log_level)
+    import time
+
+    from elasticyolo.agent.log_shipping import LogShipper
+
+    shipper = LogShipper(cfg.node_id, cfg.job, time.time())  # from here on, the log goes to the job's store too
     from elasticyolo.data.staging_agent import DataStagingHook  # s3:// datasets, before slots are offered
 
     spot = SpotDrain.from_config(cfg)  # a bad --metadata-url fails here, before anything starts
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.instance_type is None and (itype := spot.watcher.instance_type()):
         # Prices by the price table need the type; the cloud's metadata states it (cost.py).
         cfg, itype_source = cfg.model_copy(update={"instance_type": itype}), f"metadata:{spot.watcher.provider}"
-    agent = Agent(cfg, plugins=[spot, DataStagingHook(cfg), EngineDispatch()])
+    # The shipper last: it ships what the others log when the agent stops.
+    agent = Agent(cfg, plugins=[spot, DataStagingHook(cfg), EngineDispatch(), shipper])
     if itype_source:
         agent.set_record_field("instance_type_source", itype_source)
     agent.signal_sink = spot.watcher.inject_signal

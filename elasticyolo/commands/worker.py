@@ -20,6 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "then wait for the engine's environment as one JSON line on stdin")
 
 
+def on_error(args: argparse.Namespace, message: str, code: int) -> None:
+    """The worker's fatal error (the line the CLI prints) for its agent, which publishes it to the
+    job (`engines/worker_errors.py`)."""
+    from elasticyolo.engines.worker_errors import record
+
+    record(message, code, slot=args.prewarm_slot)
+
+
 def run(args: argparse.Namespace) -> int:
     from elasticyolo.engines.lifeline import die_with_agent
 

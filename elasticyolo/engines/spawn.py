@@ -3,8 +3,10 @@
 Every child runs in its own session (so `killpg` takes its whole tree), is told the agent's pid
 (`ELASTICYOLO_PARENT_PID`: it dies with the agent, see `lifeline.py`) and runs unbuffered.
 Spawn from a thread that lives as long as the child (the death signal follows the forking thread).
-Output is either piped (`pump_output` re-logs it in the agent's log with the worker's structured
-fields) or inherited.
+Output is piped: `pump_output` re-logs it in the agent's log with the worker's structured fields,
+`forward_output` copies it to the agent's log stream line by line as it is (so the journal and
+the shipped logs, `agent/log_shipping.py`, see it; a child that writes its own log records, such
+as the torch launcher); or it is inherited.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ class SupervisedProcess:
 
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], worker_env: WorkerEnv | None = None, *,
                  name: str, on_exit: Callable[[], None] = lambda: None, cwd: str | os.PathLike[str] | None = None,
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, forward: bool = False) -> None:
+        """`forward`: the child's output goes through `forward_output` (else it is inherited)."""
+        self.forward = forward
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
         self.stop_requested_at: float | None = None  # monotonic, when SIGTERM was sent
@@ -88,12 +92,15 @@ class SupervisedProcess:
     def _supervise(self, cmd: Sequence[str], env: Mapping[str, str], worker_env: WorkerEnv | None,
                    cwd: str | os.PathLike[str] | None, on_exit: Callable[[], None]) -> None:
         try:
-            self.proc = spawn(cmd, env, worker_env, cwd=cwd, capture_output=False)
+            self.proc = spawn(cmd, env, worker_env, cwd=cwd, capture_output=self.forward)
         except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
             self._error = exc
             self._started.set()
             return
         self._started.set()
+        if self.forward:
+            threading.Thread(target=forward_output, args=(self.proc.stdout,), name=f"{threading.current_thread().name}-out",
+                             daemon=True).start()
         self.returncode = self.proc.wait()
         self._done.set()
         on_exit()
@@ -122,6 +129,17 @@ class SupervisedProcess:
 
     def wait(self, timeout: float) -> bool:
         return self._done.wait(timeout)
+
+
+def forward_output(stream: IO[bytes] | None) -> None:
+    """Copy a child's output to this process's log stream, line by line, as it is."""
+    from elasticyolo.log import forward_line
+
+    if stream is None:
+        return
+    for raw in iter(stream.readline, b""):
+        forward_line(raw.decode("utf-8", "replace"))
+    stream.close()
 
 
 def pump_output(wlog: Any, stream: IO[bytes] | None, on_line: Callable[[str], bool] | None = None) -> None:

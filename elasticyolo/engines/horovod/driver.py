@@ -37,6 +37,7 @@ from elasticyolo.engines.horovod.registry import GuardedWorkerRegistry
 from elasticyolo.engines.horovod.round_policy import is_crash
 from elasticyolo.engines.horovod.rendezvous import BoundRendezvousServer, rendezvous_handler
 from elasticyolo.engines.worker_env import WorkerEnv
+from elasticyolo.engines.worker_errors import failure_reason
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
@@ -252,7 +253,8 @@ class DriverRunner:
                 self.result = JOB_DONE
             else:
                 self.result = JOB_FAILED
-                self.error = res.error_message or (f"workers failed: {failed}" if failed else "no worker finished")
+                self.error = failure_reason(self.client, self.keys, res.error_message or (
+                    f"workers failed: {failed}" if failed else "no worker finished"))
             self.log.info("driver finished", result=self.result, error=self.error,
                           workers={k: v[0] for k, v in res.worker_results.items()})
             self._set_state(self.result, self.error)

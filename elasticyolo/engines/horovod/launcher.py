@@ -8,6 +8,8 @@ with another id). A request that is merely gone (it is leased by the leader, so 
 lease lapsed takes its requests along) stops nothing: only a driver decides that a worker leaves
 the world, and the next leader's driver replaces or withdraws the request. A waiter thread per worker reports its exit code at `exit/<id>` (leased
 by this node, so reports vanish with it) and streams the worker's output into the agent log.
+A worker that failed left its reason in its directory: it is published before the exit is
+reported (`engines/worker_errors.py`), so a job the driver fails for that exit carries it.
 
 Workers start through `engines/spawn.py` (own session, so `killpg` takes the whole tree; they die
 with the agent, `engines/lifeline.py`). Secrets (etcd password) reach them only through their
@@ -30,6 +32,7 @@ from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines.spawn import KILL_GRACE_S, kill_now, pump_output, signal_group, spawn, worker_command
 from elasticyolo.engines.worker_env import WorkerEnv
+from elasticyolo.engines.worker_errors import WorkerErrors
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
@@ -61,6 +64,8 @@ class Worker:
     started: float = field(default_factory=time.monotonic)
     kill_at: float | None = None  # when a SIGTERM was sent
     exit_code: int | None = None
+    work_dir: Path | None = None  # its directory (that of the submission it was started for)
+    generation: int | None = None
 
 
 class Launcher:
@@ -76,6 +81,7 @@ class Launcher:
         self.worker_cmd = worker_cmd or worker_command()
         self.spawner = spawner  # pre-warmed processes (prewarm.py), or None: spawn fresh
         self.workers: dict[int, Worker] = {}
+        self.errors = WorkerErrors(client, keys, node_id, self.log)
         self.done_ids: set[str] = set()  # requests already run: never start one twice
         self._lock = threading.Lock()
 
@@ -142,7 +148,7 @@ class Launcher:
             self.log.error("could not start worker", slot=slot, error=str(exc))
             self._report(req["id"], slot, 127)
             return
-        w = Worker(req["id"], slot, proc)
+        w = Worker(req["id"], slot, proc, work_dir=self.work_dir, generation=self.worker_env.generation)
         with self._lock:
             self.workers[slot] = w
         self.log.info("worker started", slot=slot, pid=proc.pid, request=req["id"],
@@ -172,6 +178,7 @@ class Launcher:
         with self._lock:
             running = list(self.workers.values())
         for w in running:
+            w.kill_at = w.kill_at or time.monotonic()  # asked to die: not a failure of its own
             kill_now(w.proc)
 
     def _wait(self, w: Worker) -> None:
@@ -180,6 +187,9 @@ class Launcher:
         signal_group(w.proc, signal.SIGKILL)  # the rest of the group (helpers the worker started) goes too
         self.log.info("worker exited", slot=w.slot, pid=w.proc.pid, code=code, request=w.request_id,
                       seconds=round(time.monotonic() - w.started, 1))
+        if code != 0:
+            self.errors.publish_pending(w.work_dir, w.generation, None if w.kill_at is not None else
+                                        {"pid": w.proc.pid, "slot": w.slot, "code": code})
         self._report(w.request_id, w.slot, code)
         with self._lock:
             if self.workers.get(w.slot) is w:

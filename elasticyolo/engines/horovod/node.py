@@ -72,6 +72,8 @@ class HorovodNode(EngineNode):
             if not self._pruned and self.launcher.running() == 0:
                 node_work_dir(cfg.work_dir, cfg.job, cfg.node_id, job.generation, prune=True)
                 self._pruned = True
+        if self.launcher is not None:  # warm workers' failures (plain workers' publish as they exit)
+            self.launcher.errors.publish_pending(self.launcher.work_dir, self._generation)
         try:
             self._manage_prewarm(agent, active and serving)
             if self.launcher is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elasticyolo.agent.plugin import NodeAPI
@@ -36,6 +37,7 @@ from elasticyolo.engines.node import EngineNode
 from elasticyolo.engines.spawn import SupervisedProcess
 from elasticyolo.engines.torch.launcher import EXIT_CLOSED, LaunchSettings
 from elasticyolo.engines.worker_env import WorkerEnv, node_work_dir
+from elasticyolo.engines.worker_errors import WorkerErrors
 from elasticyolo.log import get_logger
 
 if TYPE_CHECKING:
@@ -70,8 +72,10 @@ class LauncherProcess(SupervisedProcess):
     def __init__(self, generation: int, cmd: list[str], env: dict[str, str], worker_env: WorkerEnv,
                  on_exit: Any) -> None:
         self.generation = generation
+        # Its output (its own log, torch's, its workers') through the agent's log stream: the journal
+        # and the shipped logs (agent/log_shipping.py) get it.
         super().__init__(cmd, env, worker_env, name=f"torch-launcher-{generation}", on_exit=on_exit,
-                         cwd=worker_env.worker_dir)
+                         cwd=worker_env.worker_dir, forward=True)
 
 
 class TorchNode(EngineNode):
@@ -90,6 +94,9 @@ class TorchNode(EngineNode):
         self._finished: set[int] = set()
         self._failures = 0
         self._retry_at = 0.0
+        # The workers torch starts (and their warm pool) fail in the launcher's directory.
+        self.errors = WorkerErrors(agent.client, agent.keys, agent.cfg.node_id, log)
+        self._work: tuple[Path, int] | None = None  # (directory, generation) of the newest launcher
 
     # ---- plug-in callbacks ------------------------------------------------------------------
     def on_job_change(self, agent: NodeAPI, job: "JobView") -> None:
@@ -140,6 +147,8 @@ class TorchNode(EngineNode):
 
     def _reconcile(self, agent: NodeAPI) -> None:
         self._reap()
+        if self._work is not None:
+            self.errors.publish_pending(*self._work)
         gen = self.wanted(agent)
         if self._proc is not None and not self._proc.running:
             self._finished_run(agent, self._proc)
@@ -198,6 +207,7 @@ class TorchNode(EngineNode):
         assert spec is not None
         cfg = self.cfg
         work_dir = node_work_dir(cfg.work_dir, cfg.job, cfg.node_id, generation)
+        self._work = (work_dir, generation)
         settings = LaunchSettings(
             run_id=f"{cfg.job}-{generation}", endpoints=",".join(cfg.etcd),
             key_prefix=agent.keys.rdzv.rstrip("/"), min_nodes=spec.min_nodes,
