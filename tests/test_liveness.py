@@ -335,7 +335,12 @@ def test_discovery_keeps_a_node_whose_record_vanished_for_a_grace() -> None:
     assert list_recent({"a": rec}, memory, 1.0, grace_s=3.0) == {"a": rec, "b": rec}  # b's lease lapsed
     assert list_recent({"a": rec, "b": rec}, memory, 2.0, grace_s=3.0) == {"a": rec, "b": rec}  # re-registered
     assert list_recent({"a": rec}, memory, 3.0, grace_s=3.0) == {"a": rec, "b": rec}
-    assert list_recent({"a": rec}, memory, 5.5, grace_s=3.0) == {"a": rec}  # gone for good
+    assert list_recent({"a": rec}, memory, 5.5, grace_s=3.0) == {"a": rec, "b": rec}  # missing since 3.0
+    assert list_recent({"a": rec}, memory, 6.5, grace_s=3.0) == {"a": rec}  # gone for good
+    # a reader paused for longer than the grace starts counting when it reads again
+    memory = Remembered()
+    list_recent({"a": rec}, memory, 0.0, grace_s=3.0)
+    assert list_recent({}, memory, 10.0, grace_s=3.0) == {"a": rec}
     # rank 0's step: when it last advanced, and how often
     for t, step in ((0.0, 10), (0.5, 12), (1.0, 12), (1.5, 14)):
         note_step(step, memory, t)

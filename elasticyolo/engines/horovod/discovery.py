@@ -70,7 +70,8 @@ class Snapshot:
 class Remembered:
     """What `ClusterView` carries from one read to the next (pure updates below)."""
 
-    last_seen: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)  # node -> (record, when)
+    last_seen: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> its last record
+    missing_since: dict[str, float] = field(default_factory=dict)  # node -> the first read without it
     step: int | None = None
     step_changed_at: float | None = None
     step_period_s: float | None = None
@@ -78,17 +79,23 @@ class Remembered:
 
 def list_recent(nodes: dict[str, dict[str, Any]], memory: Remembered, now: float,
                 grace_s: float = RECORD_GONE_GRACE_S) -> dict[str, dict[str, Any]]:
-    """The nodes present plus those gone less than `grace_s` ago (updates `memory`)."""
+    """The nodes present plus those first read missing less than `grace_s` ago (updates
+    `memory`). The grace runs from the first read without the record, not from the last one with
+    it: a reader that was itself paused (the leader's agent starved) must not drop every node
+    whose lease renewal fell into its pause."""
     for node, rec in nodes.items():
-        memory.last_seen[node] = (rec, now)
+        memory.last_seen[node] = rec
+        memory.missing_since.pop(node, None)
     listed = dict(nodes)
-    for node, (rec, seen) in list(memory.last_seen.items()):
+    for node, rec in list(memory.last_seen.items()):
         if node in nodes:
             continue
-        if now - seen < grace_s:
+        since = memory.missing_since.setdefault(node, now)
+        if now - since < grace_s:
             listed[node] = rec
         else:
             del memory.last_seen[node]
+            del memory.missing_since[node]
     return listed
 
 
