@@ -21,14 +21,18 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from elasticyolo.cost import load_price_table
 from elasticyolo.data.synth import SynthSpec, write_dataset
+from elasticyolo.errors import UserError
 from elasticyolo.testing.agent_cluster import AgentCluster
 from elasticyolo.testing.agents import ELASTICYOLO
 from elasticyolo.testing.metadata_server import MetadataServer
 from elasticyolo.testing.servers import EtcdCluster, S3Server, etcd_binary, moto_server
+from elasticyolo.testing.wait import wait_for
+
+T = TypeVar("T")
 
 JOB = "demo"
 BUCKET = "elasticyolo-demo"
@@ -37,8 +41,11 @@ PRICE_TABLE = Path(__file__).resolve().parents[1] / "deploy" / "prices.example.y
 RUN_PROJECT, RUN_NAME = Path("runs/detect"), "demo"
 # What AWS gives a spot VM between the notice and the end.
 NOTICE_S = 120.0
-# What the run folder holds at the end (checked before it is downloaded).
+# What the run folder holds at the end (checked once it is downloaded).
 RUN_FILES = ("results.csv", "results.png", "weights/best.pt", "weights/last.pt", "timeline.png")
+# The story (a checkpoint, the notice, the join, an epoch at world 3, the kill) takes about 8
+# epochs of the 16 by default; fewer than this and the job may end before it is told.
+MIN_EPOCHS = 12
 
 
 def say(msg: str) -> None:
@@ -92,6 +99,12 @@ class DemoNodes:
                 md.stop()
 
 
+def _until(c: AgentCluster, condition: Callable[[], T], timeout: float, what: str) -> T:
+    """`wait_for`, giving up at once when the job has failed (its nodes' logs say why)."""
+    return wait_for(condition, timeout, what, interval=0.1,
+                    abort=lambda: "the job failed" if c.job_state() == "failed" else None)
+
+
 def _status(c: AgentCluster) -> None:
     print(c.status(as_json=False), flush=True)
 
@@ -121,6 +134,8 @@ def _usd(v: float | None) -> str:
 
 def run_demo(epochs: int = 16, keep: bool = False, workdir: Path | None = None,
              project: Path = RUN_PROJECT, name: str = RUN_NAME) -> int:
+    if epochs < MIN_EPOCHS:
+        raise UserError(f"--epochs {epochs}: the demo needs at least {MIN_EPOCHS} (its story takes about 8)")
     # What the demo needs beyond the package, each a one-line error when missing.
     moto_server()
     etcd_binary()
@@ -147,7 +162,7 @@ def run_demo(epochs: int = 16, keep: bool = False, workdir: Path | None = None,
             say("starting spot nodes n1 n2 n3, each with a cloud metadata server of its own")
             for n in ("n1", "n2", "n3"):
                 nodes.start(n)
-            c.wait(lambda: c.ready(["n1", "n2", "n3"]) and c.leader(), 60, "three agents and a leader")
+            _until(c, lambda: c.ready(["n1", "n2", "n3"]) and c.leader(), 60, "three agents and a leader")
             rec = c.nodes()["n1"]
             show("n1 prices", f"{rec.get('instance_type')} (from its metadata) at ${rec.get('price_per_hour')}/h spot, "
                               f"${rec.get('on_demand_per_hour')}/h on demand ({PRICE_TABLE.name})")
@@ -162,40 +177,40 @@ def run_demo(epochs: int = 16, keep: bool = False, workdir: Path | None = None,
             c.submit("model=yolov8n.yaml", f"data={data}", f"epochs={epochs}", "imgsz=128", "batch=2", "nbs=6",
                      "ref_world=3", "warmup_epochs=1", f"close_mosaic={epochs}", "val=true", "min_nodes=2",
                      "gloo_timeout_s=10", "cooldown_s=1,4", f"checkpoint={STORE}", "checkpoint_nice=0")
-            c.wait(lambda: c.progress().get("world_size") == 3, 300, "training at world size 3")
-            ckpt = c.wait(lambda: c.status()["last_checkpoint"], 120, "a first checkpoint in S3")
+            _until(c, lambda: c.progress().get("world_size") == 3, 300, "training at world size 3")
+            ckpt = _until(c, lambda: c.status()["last_checkpoint"], 120, "a first checkpoint in S3")
             say("a checkpoint landed in S3; status while training with 3 nodes")
             _status(c)
 
             # A spot notice, as EC2 sends it: the node's metadata starts answering instance-action.
             victim = next(n for n in ("n3", "n2", "n1") if n != c.leader())
-            c.wait(lambda: (c.progress().get("consumed") or 0) > 0, 120, "the middle of an epoch")
+            _until(c, lambda: (c.progress().get("consumed") or 0) > 0, 120, "the middle of an epoch")
             say(f"the cloud reclaims {victim}: a spot notice ({NOTICE_S:.0f}s) on its metadata server")
             nodes.notice(victim)
-            drained = c.wait(lambda: c.job_events("drain_end"), 60, f"{victim} to drain")[0]
-            c.wait(lambda: c.agents[victim].proc.poll() is not None, 30, f"{victim}'s agent to leave")
+            drained = _until(c, lambda: c.job_events("drain_end"), 60, f"{victim} to drain")[0]
+            _until(c, lambda: c.agents[victim].proc.poll() is not None, 30, f"{victim}'s agent to leave")
             lost = drained.get("lost_steps")
             show("drained", f"{victim} {drained.get('notice_to_drained_s')}s after the notice "
                             f"(mode {drained.get('mode')}): {lost} lost steps")
-            c.wait(lambda: c.status()["world_size"] == 2, 60, "status to show world 2")
+            _until(c, lambda: c.status()["world_size"] == 2, 60, "status to show world 2")
             say("status after the drain")
             _status(c)
 
             say("a replacement spot node n4 starts (it joins once its worker is pre-warmed)")
             t_join = time.time()
             nodes.start("n4")
-            c.wait(lambda: [e for e in c.steps(world=3) if e["t"] > t_join], 300, "training at world size 3 again")
+            _until(c, lambda: [e for e in c.steps(world=3) if e["t"] > t_join], 300, "training at world size 3 again")
             show("joined", f"n4 trains {time.time() - t_join:.0f}s after its agent started")
 
             # An epoch at world 3 (8 steps), so the timeline shows the join before the next change.
-            c.wait(lambda: len(c.rank0_steps_after(t_join, 3)) >= 8, 120, "an epoch at world size 3")
+            _until(c, lambda: len(c.rank0_steps_after(t_join, 3)) >= 8, 120, "an epoch at world size 3")
             crashed = next(n for n, a in c.agents.items()
                            if n != c.leader() and a.proc is not None and a.proc.poll() is None)
-            c.wait(lambda: (c.progress().get("consumed") or 0) > 0, 120, "the middle of an epoch")
+            _until(c, lambda: (c.progress().get("consumed") or 0) > 0, 120, "the middle of an epoch")
             say(f"SIGKILL {crashed}'s agent mid-epoch: a VM lost without a notice (its worker dies with it)")
             t_kill = time.time()
             c.kill(crashed)
-            c.wait(lambda: [e for e in c.steps(world=2) if e["t"] > t_kill], 120, "training at world size 2")
+            _until(c, lambda: [e for e in c.steps(world=2) if e["t"] > t_kill], 120, "training at world size 2")
             first = min(e["t"] for e in c.steps(world=2) if e["t"] > t_kill)
             show("recovered", f"first step of the 2-node world {first - t_kill:.1f}s after the kill")
 

@@ -33,6 +33,12 @@ def test_without_moto_the_demo_fails_in_one_line_naming_the_extra(tmp_path: Path
     assert not (tmp_path / "work").exists() and not (tmp_path / "runs").exists()
 
 
+def test_too_few_epochs_for_the_story_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--epochs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--epochs 3" in err, err
+
+
 def test_example_price_table_prices_what_the_metadata_states() -> None:
     table = load_price_table(PRICE_TABLE)
     for provider, itype in MetadataServer().state.instance_type.items():

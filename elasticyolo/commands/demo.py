@@ -11,7 +11,7 @@ from elasticyolo.demo import RUN_NAME, RUN_PROJECT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, default=16, help="training epochs (default 16)")
+    parser.add_argument("--epochs", type=int, default=16, help="training epochs (default 16, at least 12)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where to put data, agent logs and worker traces (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (kept anyway when the demo fails)")
