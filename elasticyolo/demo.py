@@ -171,7 +171,7 @@ def run_demo(epochs: int = 16, keep: bool = False, workdir: Path | None = None,
             # short Gloo timeout is safe; it bounds how long survivors wait on a dead peer.
             # Mosaic off: at 128 px it shrinks objects below what a few dozen steps can learn.
             # LR and global batch (2 x 3 = 6) tuned for 3 workers (ref_world=3); the linear policy
-            # rescales the LR at 2. ~130 optimizer steps: enough for mAP50 > 0.9 here.
+            # rescales the LR at 2. About 180 optimizer steps: enough for mAP50 > 0.9 here.
             # checkpoint_nice=0: the 2 cores are all training's, and an upload at idle priority
             # could wait for the job's end.
             c.submit("model=yolov8n.yaml", f"data={data}", f"epochs={epochs}", "imgsz=128", "batch=2", "nbs=6",
