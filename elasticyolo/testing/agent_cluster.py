@@ -103,6 +103,11 @@ class AgentCluster:
         got = self.reader.get(self.keys.progress)
         return json.loads(got[0]) if got else {}
 
+    def job_events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """The job's event log in etcd (notices, drains, the cost summary), oldest first."""
+        out = [json.loads(v) for _, v, _ in self.reader.get_prefix(self.keys.events)]
+        return [e for e in out if kind is None or e.get("kind") == kind]
+
     def submit(self, *pairs: str) -> None:
         r = subprocess.run([*self.cli_prefix, ELASTICYOLO, "submit", "--etcd", self.endpoints, "--job", self.job,
                             *pairs],

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticyolo.errors import UserError
 from elasticyolo.priority import ETCD_NICE, nice_prefix
 
 DEPLOY_ETCD = Path(__file__).resolve().parents[2] / "deploy" / "etcd"
@@ -34,6 +35,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def etcd_binary() -> str:
+    """The `etcd` executable; a one-line UserError when it is missing."""
+    found = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+    if found is None:
+        raise UserError("etcd not found on PATH: the local cluster needs etcd (Debian: apt-get install "
+                        "etcd-server, or make setup)")
+    return found
 
 
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok=(200,),  # type: ignore[type-arg]
@@ -159,12 +169,12 @@ class EtcdCluster:
 
     def _cmd(self, m: EtcdMember, state: str) -> list[str]:
         if self.tls is not None:
-            return [*self.exec_prefix, shutil.which("etcd") or "/usr/bin/etcd", "--config-file",
+            return [*self.exec_prefix, etcd_binary(), "--config-file",
                     str(self._render_config(m, state))]
         initial = ",".join(f"{o.name}=http://{o.host}:{o.peer_port}" for o in self.members)
         return [
             *self.exec_prefix,
-            shutil.which("etcd") or "/usr/bin/etcd",
+            etcd_binary(),
             "--name", m.name,
             "--data-dir", str(m.data_dir),
             "--listen-client-urls", f"http://{m.host}:{m.client_port}",
@@ -272,6 +282,20 @@ class EtcdCluster:
 
 
 MOTO_OBJECT_BUFFER = 1 << 30
+# The extra that installs moto: the local S3 server (the demo, chaos replays) is product code, moto
+# an optional dependency of it.
+MOTO_EXTRA = "elasticyolo[demo]"
+
+
+def moto_server() -> str:
+    """The `moto_server` executable (next to this Python, else on PATH); a one-line UserError
+    naming the extra to install when moto is missing."""
+    exe = Path(sys.executable).with_name("moto_server")
+    found = str(exe) if exe.exists() else shutil.which("moto_server")
+    if found is None:
+        raise UserError(f"moto_server not found: the local S3 API server needs moto[server] "
+                        f"(pip install '{MOTO_EXTRA}', or make setup)")
+    return found
 
 
 @dataclass
@@ -299,8 +323,11 @@ class S3Server:
         }
 
     def start(self, timeout: float = 30.0) -> "S3Server":
-        exe = Path(sys.executable).with_name("moto_server")
-        cmd = [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(self.port)]
+        try:
+            cmd = [moto_server(), "-H", "127.0.0.1", "-p", str(self.port)]
+        except UserError:
+            self.stop()  # its log file
+            raise
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                      env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true",
