@@ -112,3 +112,20 @@ def test_malformed_trace_is_one_line_error(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"trace {bad} line 4: time 30000 ms is before the previous row" in r.stderr
+
+
+@needs_trace
+def test_a_replay_whose_job_dies_reports_it(tmp_path: Path) -> None:
+    """A job that fails for good (here: every worker crashes on a model that does not exist) ends
+    the replay at once: exit 1 with the reason, and a JSON that says failed with goodput 0."""
+    out = tmp_path / "dead.json"
+    r = subprocess.run([ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "2", "--compress", "20",
+                        "--start-hour", "1.43", "--hours", "0.1", "--calibrate-s", "2", "--train-images", "32",
+                        "--checkpoint-s", "60", "--cpus-per-node", "0", "--no-accuracy", "--baseline", "none",
+                        "--set", "model=nosuch.yaml", "--json", str(out), "--workdir", str(tmp_path / "work")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "the job failed" in r.stderr and "nosuch.yaml" in r.stderr, r.stderr
+    got = json.loads(out.read_text())
+    assert got["failed"] is True and "nosuch.yaml" in got["reason"]
+    assert got["systems"]["elasticyolo"]["goodput_vs_ideal"] == 0.0
