@@ -57,21 +57,13 @@ def show(label: str, text: str) -> None:
 
 
 def download_run_folder(store_uri: str, job: str, project: Path, name: str) -> Path:
-    """The job's run folder (`<store>/<job>/run/`) downloaded into a new `project/name` (`name2`,
-    ... when it exists, as Ultralytics numbers runs). The demo's one place that fetches it."""
-    from elasticyolo.checkpoint.layout import run_key
+    """The job's run folder (`<store>/<job>/run/`) downloaded into a new `project/name` (`name-2`,
+    ... when it exists, as Ultralytics numbers runs), by `checkpoints download --run`'s code."""
+    from elasticyolo.checkpoint.run_download import download_run
     from elasticyolo.checkpoint.stores import open_store
-    from elasticyolo.train.run_folder import new_run_dir
+    from elasticyolo.run_layout import increment_path
 
-    store = open_store(store_uri, retries=3)
-    dest = new_run_dir(project, name)
-    prefix = run_key(job, "")
-    for obj in store.list(prefix):
-        path = dest / obj.key[len(prefix):]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            store.download(obj.key, f)
-    return dest
+    return download_run(open_store(store_uri, retries=3), job, increment_path(Path(project) / name)).dest
 
 
 class DemoNodes:

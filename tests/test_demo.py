@@ -68,7 +68,7 @@ def test_run_folder_downloads_whole_into_a_new_folder(s3: S3Server, tmp_path: Pa
     client.put_object(Bucket=BUCKET, Key="jobs/demo/ckpt/000000000008-1-a.pt", Body=b"checkpoint")
     first = download_run_folder(f"s3://{BUCKET}/jobs", "demo", tmp_path / "runs", "demo")
     second = download_run_folder(f"s3://{BUCKET}/jobs", "demo", tmp_path / "runs", "demo")
-    assert (first, second) == (tmp_path / "runs" / "demo", tmp_path / "runs" / "demo2")
+    assert (first, second) == (tmp_path / "runs" / "demo", tmp_path / "runs" / "demo-2")
     for folder in (first, second):
         got = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
         assert got == files
