@@ -41,9 +41,6 @@ def cluster(etcd_server: EtcdCluster, job_name: str, tmp_path: Path) -> Iterator
     c = AgentCluster(etcd_server.endpoints, job_name, tmp_path, ttl=TTL,
                      env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_SNAPSHOT_S": "2"})
     yield c
-    for a in c.agents.values():  # a frozen agent must be thawed to be stopped
-        if a.proc is not None and a.proc.poll() is None:
-            os.kill(a.proc.pid, signal.SIGCONT)
     c.stop()
 
 

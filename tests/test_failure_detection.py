@@ -49,10 +49,6 @@ def slow_lease_cluster(etcd_server: EtcdCluster, job_name: str, tmp_path: Path) 
     c = AgentCluster(etcd_server.endpoints, job_name, tmp_path, ttl=TTL,
                      env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_SNAPSHOT_S": "2"})
     yield c
-    for a in c.agents.values():  # a frozen tree must be thawed to be stopped
-        if a.proc is not None and a.proc.poll() is None:
-            for p in tree(a.proc.pid):
-                _signal(p, signal.SIGCONT)
     c.stop()
 
 

@@ -29,6 +29,13 @@ from elasticyolo.testing.wait import wait_for
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "HOROVOD_GLOO_IFACE": "lo", "MASTER_ADDR": "127.0.0.1"}
 
 
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 class AgentCluster:
     def __init__(self, endpoints: str, job: str, workdir: Path, *, ttl: int = 2, prewarm: bool = True,
                  env: dict[str, str] | None = None, client: EtcdClient | None = None, loopback: bool = True,
@@ -67,6 +74,13 @@ class AgentCluster:
         return children
 
     def stop(self) -> None:
+        for a in self.agents.values():  # a frozen agent (a scenario's SIGSTOP) must be thawed to be stopped
+            if a.proc is not None and a.proc.poll() is None:
+                for pid in [a.proc.pid] + [p.pid for p in _children(a.proc.pid)]:
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
         for a in self.agents.values():
             a.stop(timeout=15)
         # Last resort for a broken run: no worker may outlive the cluster.
