@@ -8,11 +8,13 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines.worker_errors import (MAX_REASON_CHARS, WorkerErrors, failure_reason, one_line, read_pending,
                                                reason_text, record, signal_reason)
+from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 from elasticyolo.status import collect, render_table
 from elasticyolo.testing.agents import ELASTICYOLO
@@ -75,3 +77,34 @@ def test_the_agent_publishes_errors_and_the_failed_job_carries_them(etcd_server:
     assert table[1] == f"REASON {reason}"
     at = table.index("WORKER ERRORS (the latest of each node)")
     assert table[at + 2].startswith("  n2: /data/x.yaml: data.yaml not found  (slot 0, exit 2, ")
+
+
+def test_a_torch_workers_record_names_its_round_and_whether_it_reached_a_peer(tmp_path: Path,
+                                                                           monkeypatch: Any) -> None:
+    from elasticyolo.engines import worker_errors
+
+    env = {"ELASTICYOLO_PARENT_PID": "900", "ELASTICYOLO_WORKER_DIR": str(tmp_path), "TORCHELASTIC_RESTART_COUNT": "2"}
+    warm = {k: v for k, v in env.items() if k != "TORCHELASTIC_RESTART_COUNT"}  # a warm worker before its round
+
+    def written(reason: str, environ: dict[str, str]) -> dict[str, Any]:
+        record(reason, 2, slot=0, environ=environ)
+        (rec,) = read_pending(tmp_path)  # one file per process: read each before the next
+        return rec
+
+    monkeypatch.setattr(worker_errors, "_joined", False)
+    assert (written("setup failed", env)["round"], written("setup failed", env)["joined"]) == ("900:2", False)
+    assert written("warm worker failed", warm)["round"] is None
+    worker_errors.joined_world()
+    assert written("collective failed", env)["joined"] is True
+    seen: list[dict[str, Any]] = []
+
+    # The agent's observer sees every record, repeats included (the event log leaves repeats out).
+    class Offline:
+        def txn(self, *_: Any) -> None:
+            raise UnavailableError("etcd down")
+
+    errors = WorkerErrors(Offline(), JobKeys("j"), "n1", get_logger("test"), observe=seen.append)  # type: ignore[arg-type]
+    for _ in range(2):
+        record("same again", 2, slot=0, environ=env)
+        errors.publish_pending(tmp_path, 5)
+    assert [r["reason"] for r in seen] == ["same again", "same again"] and seen[0]["generation"] == 5

@@ -25,10 +25,12 @@ def submit_spec(client: EtcdClient, keys: JobKeys, spec: TrainSpec, by: str, rep
 
 
 def set_job_state(client: EtcdClient, keys: JobKeys, state: str, *, generation: int, by: str,
-                  only_from: Sequence[str] = ACTIVE_JOB_STATES, reason: str | None = None) -> bool:
+                  only_from: Sequence[str] = ACTIVE_JOB_STATES, reason: str | None = None,
+                  fence: Sequence[dict[str, Any]] = ()) -> bool:
     """Write the job state `state` in one txn, only while the spec is still submission
     `generation` (its mod revision) and the current state is one of `only_from`. Returns whether
-    it was written (False: another node or the operator got there first, or nothing changed)."""
+    it was written (False: another node or the operator got there first, or nothing changed).
+    `fence`: more txn compares, e.g. the leader's term (`LeaderElection.fenced_txn_compare`)."""
     got = client.get(keys.state)
     current = _state_of(got[0]) if got is not None else JOB_SUBMITTED
     if current not in only_from or current == state:
@@ -37,7 +39,8 @@ def set_job_state(client: EtcdClient, keys: JobKeys, state: str, *, generation: 
     if reason:
         rec["reason"] = reason
     compare = [{"key": b64(keys.spec), "result": "EQUAL", "target": "MOD", "mod_revision": str(generation)},
-               {"key": b64(keys.state), "result": "EQUAL", "target": "MOD", "mod_revision": str(got[1] if got else 0)}]
+               {"key": b64(keys.state), "result": "EQUAL", "target": "MOD", "mod_revision": str(got[1] if got else 0)},
+               *fence]
     result = client.txn(compare, [{"request_put": {"key": b64(keys.state), "value": b64(json.dumps(rec))}}], [])
     return bool(result.get("succeeded"))
 

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JobKeys
@@ -37,6 +37,10 @@ MAX_JOB_REASON_CHARS = 600  # a failed job's reason (every node's, deduplicated)
 REPEAT_S = 60.0
 # Where a worker's local slot comes from: Horovod's and torch elastic's environment.
 _SLOT_VARIABLES = ("HOROVOD_LOCAL_RANK", "LOCAL_RANK")
+# Which round of its launcher a worker is in (torch elastic's restart count): a record's `round`
+# key is the launcher's pid and that count, the same for every slot of one round.
+_ROUND_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
+_joined = False  # this process has started joining its world (`joined_world`)
 
 
 def one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:
@@ -46,6 +50,13 @@ def one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:
 
 
 # ---- worker side --------------------------------------------------------------------------------
+def joined_world() -> None:
+    """Called by a worker just before its first contact with a peer (the process group's init):
+    an error from then on may be a peer's doing (`joined` in its record; `crash_loop.py`)."""
+    global _joined
+    _joined = True
+
+
 def errors_dir(worker_dir: str | os.PathLike[str]) -> Path:
     return Path(worker_dir) / ERRORS_DIR
 
@@ -60,7 +71,9 @@ def record(reason: str, code: int, *, slot: int | None = None, environ: Mapping[
         return None  # plain horovodrun / torchrun: nobody reads the file
     if slot is None:
         slot = next((int(env[v]) for v in _SLOT_VARIABLES if str(env.get(v, "")).isdigit()), None)
-    rec = {"reason": one_line(reason), "code": int(code), "slot": slot, "pid": os.getpid(), "at": time.time()}
+    restart = str(env.get(_ROUND_VARIABLE, ""))
+    rec = {"reason": one_line(reason), "code": int(code), "slot": slot, "pid": os.getpid(), "at": time.time(),
+           "joined": _joined, "round": f"{env.get(ENV_PARENT_PID)}:{restart}" if restart.isdigit() else None}
     try:
         directory = errors_dir(env.get(ENV_WORKER_DIR) or os.getcwd())
         directory.mkdir(parents=True, exist_ok=True)
@@ -108,10 +121,13 @@ def signal_reason(code: int) -> str | None:
 
 class WorkerErrors:
     """Publishes a node's worker errors (thread-safe: the agent loop and the launcher's waiter
-    threads both call it)."""
+    threads both call it). `observe`: called with every error read, repeats included (the
+    published ones leave repeats out), under the lock."""
 
-    def __init__(self, client: EtcdClient, keys: JobKeys, node_id: str, log: Any) -> None:
+    def __init__(self, client: EtcdClient, keys: JobKeys, node_id: str, log: Any,
+                 observe: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.client, self.keys, self.node_id, self.log = client, keys, node_id, log
+        self.observe = observe
         self._lock = threading.Lock()
         self._unsent: list[dict[str, Any]] = []  # read but not yet written (etcd did not answer)
         self._last: tuple[str, int | None, float] | None = None  # (reason, generation, at) last written
@@ -132,6 +148,8 @@ class WorkerErrors:
                 self.log.error("worker failed", slot=rec.get("slot"), code=rec.get("code"), pid=rec.get("pid"),
                                reason=rec["reason"])
                 self._unsent.append({"node": self.node_id, "generation": generation, **rec})
+                if self.observe is not None:
+                    self.observe(self._unsent[-1])
             todo, self._unsent, written = self._unsent, [], []
             for i, rec in enumerate(todo):
                 key = (str(rec["reason"]), rec.get("generation"))

@@ -11,16 +11,17 @@ another host's worker in the same round did not. A host is blacklisted after
 `HOST_CRASH_LIMIT` such rounds in a row; Horovod's host manager forgives it after the spec's
 cool-down (`cooldown_s`, as `horovodrun --blacklist-cooldown-range`). The job fails only when
 every worker crashed in `ALL_CRASH_LIMIT` rounds in a row (the same error everywhere: bad data, a
-bad model), or when the spec's `reset_limit` is reached. Membership churn alone never ends a job.
+bad model; the limit is the engines' shared one, `engines/crash_loop.py`), or when the spec's `reset_limit` is reached. Membership churn alone never ends a job.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elasticyolo.engines.crash_loop import ALL_CRASH_LIMIT
+
 READY, SUCCESS, FAILURE = "READY", "SUCCESS", "FAILURE"  # horovod.runner.elastic.registration's states
 HOST_CRASH_LIMIT = 2
-ALL_CRASH_LIMIT = 3
 # Exit codes of a worker stopped from outside (a launcher's SIGTERM, then SIGKILL; as a shell reports them).
 STOPPED_CODES = frozenset({-15, -9, 143, 137})
 

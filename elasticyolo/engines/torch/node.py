@@ -17,6 +17,10 @@ the drain's kill lead before its deadline) gets SIGKILL on the launcher's proces
 The rendezvous run id is `<job>-<spec mod revision>`: every node derives the same id from etcd,
 and a new submission (a new spec revision) gets a fresh rendezvous. Drain plan: stop (torch
 elastic restarts the world on any change; the survivors restore the newest snapshot).
+
+torch's agent restarts failing workers up to `max_restarts` times and never ends the job: the
+leader fails it when every node's workers crash in a loop (`engines/crash_loop.py`, applied by
+`crash_loop_watch.py`), with the workers' reason.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.keys import JOB_DONE
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.data.staging_agent import data_ready
+from elasticyolo.engines.crash_loop_watch import CrashLoopWatch
 from elasticyolo.engines.node import EngineNode
 from elasticyolo.engines.spawn import SupervisedProcess
 from elasticyolo.engines.torch.launcher import EXIT_CLOSED, LaunchSettings
@@ -94,8 +99,10 @@ class TorchNode(EngineNode):
         self._finished: set[int] = set()
         self._failures = 0
         self._retry_at = 0.0
+        # torch restarts failing workers forever: the job fails when they crash in a loop everywhere.
+        self.crash_loop = CrashLoopWatch("torch")
         # The workers torch starts (and their warm pool) fail in the launcher's directory.
-        self.errors = WorkerErrors(agent.client, agent.keys, agent.cfg.node_id, log)
+        self.errors = WorkerErrors(agent.client, agent.keys, agent.cfg.node_id, log, observe=self.crash_loop.observe)
         self._work: tuple[Path, int] | None = None  # (directory, generation) of the newest launcher
 
     # ---- plug-in callbacks ------------------------------------------------------------------
@@ -108,6 +115,7 @@ class TorchNode(EngineNode):
     def on_tick(self, agent: NodeAPI) -> None:
         if agent.state is not NodeState.DRAINING:
             self._reconcile(agent)
+        self.crash_loop.check(agent)
 
     def on_stop(self, agent: NodeAPI) -> None:
         self._stop_current("agent stopping")
@@ -149,6 +157,7 @@ class TorchNode(EngineNode):
         self._reap()
         if self._work is not None:
             self.errors.publish_pending(*self._work)
+            self.crash_loop.publish(agent)
         gen = self.wanted(agent)
         if self._proc is not None and not self._proc.running:
             self._finished_run(agent, self._proc)

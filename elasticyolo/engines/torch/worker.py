@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from elasticyolo.engines import worker_env
+from elasticyolo.engines import worker_env, worker_errors
 from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.engines.torch.stop_at_commit import StopAtCommit, torch_reduce
@@ -132,6 +132,7 @@ def init_process_group(spec: TrainSpec) -> None:
     backend = "nccl" if torch.cuda.is_available() and spec.device not in ("cpu",) else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    worker_errors.joined_world()  # from here on, a failure may be a peer's doing (engines/crash_loop.py)
     dist.init_process_group(backend, timeout=timedelta(seconds=spec.gloo_timeout_s))
 
 
