@@ -51,4 +51,4 @@ def test_success_finishes_and_reset_limit_fails() -> None:
 
 def test_what_counts_as_a_crash() -> None:
     assert is_crash(1) and is_crash(-6) and is_crash(-11)
-    assert not is_crash(0) and not is_crash(-15) and not is_crash(-9) and not is_crash(143)
+    assert not is_crash(0) and not is_crash(-15) and not is_crash(-9) and not is_crash(143) and not is_crash(75)

@@ -6,7 +6,8 @@ lost, a worker stopped while its agent re-registered, a peer's collective failur
 FAILURE on hosts that are fine).
 
 Here a FAILURE is evidence against a host only when its worker *crashed* (its agent reported a
-non-zero exit that no one asked for: not SIGTERM/SIGKILL from a launcher, not a lost node) while
+non-zero exit that no one asked for: not SIGTERM/SIGKILL from a launcher, not a world that could
+not be set up, not a lost node) while
 another host's worker in the same round did not. A host is blacklisted after
 `HOST_CRASH_LIMIT` such rounds in a row; Horovod's host manager forgives it after the spec's
 cool-down (`cooldown_s`, as `horovodrun --blacklist-cooldown-range`). The job fails only when
@@ -22,13 +23,15 @@ from elasticyolo.engines.crash_loop import ALL_CRASH_LIMIT
 
 READY, SUCCESS, FAILURE = "READY", "SUCCESS", "FAILURE"  # horovod.runner.elastic.registration's states
 HOST_CRASH_LIMIT = 2
-# Exit codes of a worker stopped from outside (a launcher's SIGTERM, then SIGKILL; as a shell reports them).
-STOPPED_CODES = frozenset({-15, -9, 143, 137})
+# Exit codes that are no crash: a worker stopped from outside (a launcher's SIGTERM, then SIGKILL;
+# as a shell reports them), or one whose world could not be set up (worker.EXIT_WORLD_NOT_FORMED:
+# a peer was late or lost).
+NOT_CRASH_CODES = frozenset({-15, -9, 143, 137, 75})
 
 
 def is_crash(exit_code: int) -> bool:
     """A worker's own failure (not a success, not a stop someone asked for)."""
-    return exit_code != 0 and exit_code not in STOPPED_CODES
+    return exit_code != 0 and exit_code not in NOT_CRASH_CODES
 
 
 @dataclass

@@ -268,25 +268,24 @@ def prepare_worker(spec: TrainSpec, core: TrainCore | None = None, local_rank: i
 
 # A world that could not be set up (a peer did not publish its Gloo address in time: a slow
 # joiner, a peer lost meanwhile) fails `hvd.init()` (scripts/build_horovod.sh catches the Gloo
-# error in Horovod's background thread); the worker registers again for the next world, as after a
-# failed collective. Each attempt waits up to the spec's gloo_timeout_s.
-INIT_ATTEMPTS = 10
+# error in Horovod's background thread, where it aborted the process). The worker then exits with
+# this code: the driver starts it again for the next world (engines/horovod/registry.py), and the
+# round policy does not count it as a crash (round_policy.py). Exiting, not retrying in place:
+# the failed world's peers must see this worker leave so that the driver forms the next one.
+EXIT_WORLD_NOT_FORMED = 75  # EX_TEMPFAIL
 
 
 def init_horovod() -> None:
     """`hvd.init()`, its threads (the background loop, gloo's transport) named, so that a simulated
-    node runs them on the cluster's interconnect (`train/sim_accelerator.py`); retried when the
-    world could not be set up."""
-    for attempt in range(1, INIT_ATTEMPTS + 1):
-        try:
-            with name_threads_started(HOROVOD_THREAD):
-                hvd.init()
-            return
-        except ValueError as exc:
-            if "initialization failed" not in str(exc) or attempt == INIT_ATTEMPTS:
-                raise
-            log.warning("the world could not be set up; registering for the next one", attempt=attempt)
-            hvd.shutdown()
+    node runs them on the cluster's interconnect (`train/sim_accelerator.py`)."""
+    try:
+        with name_threads_started(HOROVOD_THREAD):
+            hvd.init()
+    except ValueError as exc:
+        if "initialization failed" not in str(exc):
+            raise
+        log.warning("the world could not be set up; leaving it to be started again for the next one")
+        raise SystemExit(EXIT_WORLD_NOT_FORMED) from None
 
 
 def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepared: PreparedWorker | None = None,
