@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
-import zipfile
 from pathlib import Path
 from typing import Iterator
 
@@ -26,54 +24,16 @@ from packaging.version import Version
 
 from elasticyolo.testing.servers import EtcdCluster
 from elasticyolo.testing.wait import wait_for
+from elasticyolo.testing.wheel import (BOOTSTRAP, REPO, TEST_PACKAGES, build_wheel, canonical, clean_env,
+                                       installed_packages, system_python)
 
-REPO = Path(__file__).resolve().parents[1]
-BOOTSTRAP = REPO / "deploy" / "common" / "bootstrap.sh"
 WHEELHOUSE = Path(os.environ.get("ELASTICYOLO_WHEELHOUSE", Path.home() / ".cache" / "elasticyolo" / "wheelhouse"))
-# What a node must never get: the [test] extra and the developer's tools.
-TEST_PACKAGES = {"pytest", "pytest-timeout", "moto", "hypothesis", "coverage", "pytest-cov", "flask", "werkzeug",
-                 "docker", "cfn-lint", "responses"}
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-
-
-def _canonical(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def _node_python() -> str:
-    """The interpreter a node's venv is made from: the system's (as on a GPU image), else ours."""
-    system = "/usr/bin/python3"
-    if os.access(system, os.X_OK) and subprocess.run([system, "-c", "import ensurepip, venv"],
-                                                     capture_output=True).returncode == 0:
-        return system
-    return getattr(sys, "_base_executable", sys.executable)
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    """This environment without what would make the venv import this checkout instead of the wheel."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    return {**env, **extra}
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`pip wheel --no-deps` of this tree (its files git knows of, copied: no stale build/ dir)."""
-    src = tmp_path_factory.mktemp("src")
-    if (REPO / ".git").exists() and shutil.which("git"):
-        files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
-                               capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
-        for name in filter(None, files):
-            if (REPO / name).is_file():
-                (src / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(REPO / name, src / name)
-    else:
-        shutil.copytree(REPO, src, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".venv", ".work", "build", "*.egg-info"))
-    dist = tmp_path_factory.mktemp("dist")
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist), str(src)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    (built,) = dist.glob("elasticyolo-*.whl")
+    built = build_wheel(tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("build"))
     assert built.name == f"elasticyolo-{PROJECT['version']}-py3-none-any.whl"
     return built
 
@@ -82,9 +42,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def node_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """bootstrap.sh's install step, agent and CLI only (ELASTICYOLO_EXTRAS empty), from the wheelhouse."""
     venv = tmp_path_factory.mktemp("node") / "venv"
-    python = _node_python()
+    python = system_python()
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
-    env = _clean_env(ELASTICYOLO_VENV=str(venv), ELASTICYOLO_PYTHON=python, ELASTICYOLO_EXTRAS="",
+    env = clean_env(ELASTICYOLO_VENV=str(venv), ELASTICYOLO_PYTHON=python, ELASTICYOLO_EXTRAS="",
                      PIP_NO_INDEX="1", PIP_FIND_LINKS=str(WHEELHOUSE), PIP_NO_COMPILE="1")
 
     def install() -> subprocess.CompletedProcess[str]:
@@ -96,7 +56,7 @@ def node_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         # The wheelhouse lacks a dependency (first run, or pyproject changed): fill it from the index.
         fill = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "download", "--quiet", "--only-binary=:all:",
                                "-d", str(WHEELHOUSE), str(wheel)],
-                              env=_clean_env(), capture_output=True, text=True, timeout=600)
+                              env=clean_env(), capture_output=True, text=True, timeout=600)
         assert fill.returncode == 0, fill.stderr[-3000:]
         r = install()
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
@@ -107,7 +67,7 @@ def test_the_wheel_gives_the_agent_and_the_cli_without_torch(node_venv: Path, et
                                                               job_name: str, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     bin_dir = node_venv / "bin"
-    env = _clean_env(ELASTICYOLO_LOG_FORMAT="json", ELASTICYOLO_WORK_DIR=str(tmp_path / "work"))
+    env = clean_env(ELASTICYOLO_LOG_FORMAT="json", ELASTICYOLO_WORK_DIR=str(tmp_path / "work"))
     monkeypatch.chdir(tmp_path)  # not this checkout: `python -c` would import ./elasticyolo
     # the installed package, not this checkout
     r = subprocess.run([str(bin_dir / "python"), "-c", "import elasticyolo; print(elasticyolo.__file__)"], env=env,
@@ -157,11 +117,7 @@ def test_the_wheel_gives_the_agent_and_the_cli_without_torch(node_venv: Path, et
     assert agent.returncode == 0, (tmp_path / "agent.log").read_text()[-3000:]
 
     # pip installed no test package into the venv, and no torch
-    site = subprocess.run([str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          env=env, capture_output=True, text=True, timeout=60).stdout.strip()
-    listed = subprocess.run([str(bin_dir / "python"), "-m", "pip", "list", "--format", "json", "--path", site],
-                            env=env, capture_output=True, text=True, timeout=120)
-    installed = {_canonical(p["name"]) for p in json.loads(listed.stdout)}
+    installed = installed_packages(bin_dir / "python", env)
     assert "elasticyolo" in installed and not installed & TEST_PACKAGES and "torch" not in installed, installed
     # what a node installs from the wheel, beside the package: the unit and the clouds' drop-ins as shipped
     share = node_venv / "share" / "elasticyolo"
@@ -180,21 +136,21 @@ def test_the_train_extra_names_torch_in_range_and_no_test_package(wheel: Path, t
     report = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                         "--only-binary=:all:", "--report", str(report), f"{wheel}[train]"],
-                       env=_clean_env(), capture_output=True, text=True, timeout=600)
+                       env=clean_env(), capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and any(s in r.stderr for s in ("NewConnectionError", "Could not fetch URL",
                                                          "Temporary failure in name resolution")):
         pytest.skip(f"the package index is unreachable: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    resolved = {_canonical(i["metadata"]["name"]): Version(i["metadata"]["version"])
+    resolved = {canonical(i["metadata"]["name"]): Version(i["metadata"]["version"])
                 for i in json.loads(report.read_text())["install"]}
     assert not set(resolved) & TEST_PACKAGES, sorted(set(resolved) & TEST_PACKAGES)
     train = [Requirement(s) for s in PROJECT["optional-dependencies"]["train"]]
     for req in train:
-        name = _canonical(req.name)
+        name = canonical(req.name)
         assert name in resolved, name
         assert resolved[name] in req.specifier, (name, resolved[name], str(req.specifier))
     # ranges, not pins: a GPU image's torch inside them is kept
-    by_name = {_canonical(r.name): r for r in train}
+    by_name = {canonical(r.name): r for r in train}
     for name in ("torch", "torchvision"):
         spec = by_name[name].specifier
         assert not any(s.operator == "==" for s in spec) and any(s.operator == "<" for s in spec), str(spec)

@@ -66,7 +66,7 @@ install_horovod() {  # PY WORKDIR
     local need=()
     command -v c++ >/dev/null || need+=(build-essential)
     command -v cmake >/dev/null || need+=(cmake)
-    "$py" -c 'import os, sysconfig; raise SystemExit(not os.path.exists(sysconfig.get_path("include") + "/Python.h"))' ||
+    "$py" -c 'import os, sysconfig as s; raise SystemExit(not os.path.exists(s.get_path("include") + "/Python.h"))' ||
       need+=(python3-dev)
     [ ${#need[@]} -eq 0 ] || apt_install "${need[@]}"
     if command -v nvidia-smi >/dev/null && [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then
