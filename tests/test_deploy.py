@@ -7,12 +7,15 @@ themselves run for real in the TLS/auth cluster tests (test_production_cluster.p
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import re
 import shutil
 import string
 import subprocess
+import tomllib
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,26 @@ def test_shell_scripts_pass_shellcheck() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
+def test_deploy_wheel_step_builds_the_committed_tree_under_the_configured_name(tmp_path: Path) -> None:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    name = f"elasticyolo-{version}-py3-none-any.whl"
+    script = f'set -euo pipefail; . "{DEPLOY}/common/build-wheel.sh"; build_wheel'
+    env = {**os.environ, "ROOT": str(REPO), "TMPDIR": str(tmp_path)}
+    other = "s3://b/wheels/elasticyolo-0.0.9-py3-none-any.whl"
+    r = subprocess.run(["bash", "-c", script], env={**env, "ELASTICYOLO_WHEEL": other}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and f"built {name}, but ELASTICYOLO_WHEEL names elasticyolo-0.0.9" in r.stderr, r.stderr
+    r = subprocess.run(["bash", "-c", script], env={**env, "ELASTICYOLO_WHEEL": f"s3://b/wheels/{name}"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    built = Path(r.stdout.strip())
+    assert built.name == name
+    names = zipfile.ZipFile(built).namelist()
+    assert f"elasticyolo-{version}.data/data/share/elasticyolo/systemd/elasticyolo-agent.service" in names
+    assert not any(n.startswith(("tests/", "bench/")) for n in names)
+
+
 def _render(cloud: str, out: Path) -> Path:
     config = DEPLOY / cloud / "cluster.env.example"
     r = subprocess.run(["bash", str(DEPLOY / cloud / "deploy.sh"), str(config), "render", str(out)],
@@ -62,8 +85,14 @@ def _write_files(cloud_init: Path) -> dict[str, str]:
     doc = yaml.safe_load(cloud_init.read_text())
     out = {}
     for f in doc["write_files"]:
-        content = f["content"]
-        out[f["path"]] = base64.b64decode(content).decode() if f.get("encoding") == "b64" else content
+        content, encoding = f["content"], f.get("encoding")
+        if encoding == "b64":
+            content = base64.b64decode(content).decode()
+        elif encoding == "gz+b64":
+            content = gzip.decompress(base64.b64decode(content)).decode()
+        else:
+            assert encoding is None, encoding
+        out[f["path"]] = content
     return out
 
 
@@ -76,10 +105,18 @@ def test_cloud_init_renders_validates_and_carries_a_valid_agent_config(cloud: st
         r = subprocess.run(["cloud-init", "schema", "--config-file", str(user_data)], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0 and "Valid cloud-config" in r.stdout, r.stdout + r.stderr
+    assert len(user_data.read_bytes()) < 16384  # EC2 takes at most 16 KB of user data
     files = _write_files(user_data)
     assert files["/usr/local/sbin/elasticyolo-bootstrap"] == (DEPLOY / "common" / "bootstrap.sh").read_text()
     doc = yaml.safe_load(user_data.read_text())
     assert doc["runcmd"] == [["/usr/local/sbin/elasticyolo-bootstrap", cloud]]
+    assert "git" not in doc["packages"]  # a node installs the wheel, not a checkout
+    # the node install's settings: the wheel in the bucket, the default engine only, no Horovod wheel
+    env = dict(line.split("=", 1) for line in files["/etc/elasticyolo/bootstrap.env"].splitlines() if line)
+    scheme = {"aws": "s3", "gcp": "gs"}[cloud]
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert env["ELASTICYOLO_WHEEL"] == f"{scheme}://my-elasticyolo-bucket/wheels/elasticyolo-{version}-py3-none-any.whl"
+    assert env["ELASTICYOLO_ENGINES"] == "torch" and env["HOROVOD_WHEEL"] == ""
     # the agent config it writes, with its /etc/elasticyolo files stood in for by temp files
     etc = tmp_path / "etc"
     (etc / "pki").mkdir(parents=True)

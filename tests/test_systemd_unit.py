@@ -1,18 +1,22 @@
 """The shipped unit (systemd/elasticyolo-agent.service): it verifies, it is hardened (exposure
-<= 2.0), and a real agent with real Horovod workers trains a job under it.
+<= 2.0), a real agent with real Horovod workers trains a job under it, and a real systemd does not
+restart an agent that exits on a configuration error.
 
-systemd is not PID 1 here, so `systemd-run` cannot start the unit; `UnitSandbox` reproduces what
-it would do: the unit's environment, only StateDirectory/CacheDirectory and a private /tmp
-writable (everything else read-only, HOME too), no capabilities, an unprivileged user, and the
-unit's SystemCallFilter as a seccomp filter. A write anywhere else, or a needed system call the
+The restart test runs systemd itself, as PID 1 of its own namespaces (SystemdContainer). For the
+training test, where systemd is not PID 1, `systemd-run` cannot start the unit; `UnitSandbox`
+reproduces what it would do: the unit's environment, only StateDirectory/CacheDirectory and a
+private /tmp writable (everything else read-only, HOME too), no capabilities, an unprivileged
+user, and the unit's SystemCallFilter as a seccomp filter. A write anywhere else, or a needed system call the
 filter lacks, fails the job: the ProtectHome problem of the old unit cannot come back.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -23,9 +27,11 @@ import pytest
 from elasticyolo.testing.agents import ELASTICYOLO
 from elasticyolo.data.staging_upload import upload_dataset
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.servers import EtcdCluster, S3Server
+from elasticyolo.testing.servers import EtcdCluster, S3Server, free_port
+from elasticyolo.testing.systemd_container import SystemdContainer
 from elasticyolo.testing.unit_jobs import SandboxedAgent
 from elasticyolo.testing.unit_sandbox import UnitSandbox, expand_syscall_filter
+from elasticyolo.testing.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = REPO / "systemd" / "elasticyolo-agent.service"
@@ -52,7 +58,8 @@ def test_unit_verifies_and_exposure_is_ok(tmp_path: Path) -> None:
     text = UNIT.read_text()
     for needle in ("DynamicUser=yes", "\nCapabilityBoundingSet=\n", "SystemCallFilter=@system-service",
                    "ProtectProc=invisible", "StateDirectory=elasticyolo", "CacheDirectory=elasticyolo",
-                   "UMask=0077", "LoadCredential=etcd-password:", "ProtectHome=yes", "PrivateUsers=yes"):
+                   "UMask=0077", "LoadCredential=etcd-password:", "ProtectHome=yes", "PrivateUsers=yes",
+                   "\nRestartPreventExitStatus=2\n"):
         assert needle in text, needle
     allowed = set(expand_syscall_filter(["@system-service", "~@privileged"]))
     # what workers need from it (traced, docs/deploy.md): threads, shared memory, affinity, sockets
@@ -109,3 +116,76 @@ def test_agent_and_workers_train_under_the_unit(sandbox: UnitSandbox, etcd_serve
         assert any(o["Key"].startswith(f"ckpt-{engine}/") and o["Key"].endswith(".pt") for o in objects), engine
     for o in objects:  # every checkpoint object encrypted as the job asked
         assert s3.head_object(Bucket=bucket, Key=o["Key"]).get("ServerSideEncryption") == "AES256", o["Key"]
+
+
+def _home_paths(paths: list[Path]) -> list[str]:
+    """Those of `paths` under a home directory (ProtectHome= hides them)."""
+    homes = ("/root", "/home", "/run/user")
+    return sorted({str(p) for p in paths if any(str(p) == h or str(p).startswith(h + "/") for h in homes)})
+
+
+@pytest.fixture
+def systemd_units() -> Iterator[Path]:
+    why = SystemdContainer.available()
+    if why is not None:
+        pytest.skip(f"systemd in a container: {why}")
+    (REPO / ".work").mkdir(exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="systemd-", dir=REPO / ".work"))
+    os.chmod(root, 0o755)  # the unit's dynamic user reads the agent config here
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_configuration_error_is_not_restarted_and_systemctl_status_shows_why(systemd_units: Path) -> None:
+    """The shipped unit under a real systemd (PID 1 of its own namespaces): an agent that exits 2
+    on a bad setting stays failed (no restart is scheduled) with its one-line reason in
+    `systemctl status`; one that exits 3 (etcd unreachable at start) is restarted."""
+    root = systemd_units
+    units = root / "units"
+    units.mkdir()
+    shutil.copy(UNIT, units / UNIT.name)
+    config = root / "agent.yaml"
+    log = root / "agent.log"
+    venv_python = Path(sys.executable)
+    # What the container lacks, in a drop-in: this checkout's agent, no journal (a log file), no
+    # credential files (the agent stops before reading them), an interpreter under a private home.
+    drop_in = units / f"{UNIT.name}.d"
+    drop_in.mkdir()
+    lines = ["[Service]", "ExecStart=", f"ExecStart={ELASTICYOLO} agent --config {config}",
+             f"Environment=PYTHONPATH={REPO}", "LoadCredential=", f"StandardOutput=append:{log}",
+             "StandardError=inherit"]
+    hidden = _home_paths([Path(sys.base_prefix).resolve(), REPO, venv_python.parent.parent.resolve()])
+    if hidden:  # a home directory as tmpfs with only these in it (ProtectHome=yes hides them all)
+        lines += ["ProtectHome=tmpfs", *(f"BindReadOnlyPaths={p}" for p in hidden)]
+    (drop_in / "test.conf").write_text("\n".join(lines) + "\n")
+    port = free_port()  # nothing listens there
+    config.write_text(f"etcd: 127.0.0.1:{port}\nttl: soon\n")
+    config.chmod(0o644)
+    unit = "elasticyolo-agent.service"
+    props = ("ActiveState", "SubState", "Result", "ExecMainStatus", "NRestarts", "StatusText")
+    with SystemdContainer(units, root / "systemd.log") as systemd:
+        systemd.systemctl("start", unit)  # fails: the agent exits before READY=1
+        state = wait_for(lambda: (s := systemd.show(unit, *props))["ExecMainStatus"] != "0" and s, 60,
+                         "the agent to exit on its bad setting")
+        # A restart would show as SubState=auto-restart now; failed means none is scheduled.
+        assert state["ExecMainStatus"] == "2" and state["SubState"] == "failed", state | {"log": _tail(log)}
+        assert state["NRestarts"] == "0", state
+        assert state["StatusText"].startswith("configuration error: invalid agent config") and "ttl" in \
+            state["StatusText"], state
+        status = systemd.systemctl("status", unit).stdout
+        assert re.search(r'Status: "configuration error: invalid agent config.*ttl', status), status
+
+        # etcd unreachable at start (exit 3) is transient: systemd restarts the agent
+        config.write_text(f"etcd: 127.0.0.1:{port}\nstartup_timeout_s: 1\n")
+        systemd.systemctl("reset-failed", unit)
+        systemd.systemctl("start", unit)
+        state = wait_for(lambda: (s := systemd.show(unit, *props))["NRestarts"] not in ("", "0") and s, 90,
+                         "systemd to restart the agent after exit 3")
+        assert state["ExecMainStatus"] in ("0", "3"), state  # 0: the restarted one is running
+        assert "etcd unreachable" in log.read_text(), _tail(log)
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:] if path.exists() else "(no log)"

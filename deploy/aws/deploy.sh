@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # elasticyolo on AWS, step by step (docs/deploy.md explains each step and its order):
 #
+#   deploy/aws/deploy.sh CONFIG wheel        build the elasticyolo wheel, upload it to ELASTICYOLO_WHEEL
 #   deploy/aws/deploy.sh CONFIG pki          certificates for etcd members and clients (openssl)
 #   deploy/aws/deploy.sh CONFIG secrets      the etcd password and client TLS files -> SSM (SecureString)
 #   deploy/aws/deploy.sh CONFIG bucket       encryption by default, no public access, abort stale uploads
@@ -15,17 +16,17 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-[ $# -ge 2 ] || { sed -n '2,16p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,15p' "$0" >&2; exit 2; }
 CONFIG=$1 STEP=$2
 # shellcheck source-path=SCRIPTDIR source=cluster.env.example
 . "$CONFIG"
 PKI=${PKI:-$ROOT/.pki/$CLUSTER}
 VARS=(CLUSTER REGION ACCOUNT_ID BUCKET DATASET_PREFIX CHECKPOINT_PREFIX KMS_KEY_ARN JOB DATA_CACHE_MAX_GB AMI_ID
-      NODE_SECURITY_GROUP ELASTICYOLO_REPO ELASTICYOLO_REF ETCD_ENDPOINTS BOOTSTRAP_SH_B64 USER_DATA_B64 SUBNET_IDS)
+      NODE_SECURITY_GROUP ELASTICYOLO_WHEEL ELASTICYOLO_ENGINES HOROVOD_WHEEL ETCD_ENDPOINTS BOOTSTRAP_SH_B64 USER_DATA_B64 SUBNET_IDS)
 ETCD_ENDPOINTS=$(for m in $ETCD_MEMBERS; do printf 'https://%s:2379,' "${m#*=}"; done)
 ETCD_ENDPOINTS=${ETCD_ENDPOINTS%,}
 export BOOTSTRAP_SH_B64
-BOOTSTRAP_SH_B64=$(base64 -w0 "$ROOT/deploy/common/bootstrap.sh")
+BOOTSTRAP_SH_B64=$(gzip -9n <"$ROOT/deploy/common/bootstrap.sh" | base64 -w0)  # user data: AWS takes 16 KB
 export "${VARS[@]}"
 
 render() {  # TEMPLATE -> stdout, replacing only our ${VARIABLES} (never "$Latest" and friends)
@@ -35,9 +36,15 @@ render() {  # TEMPLATE -> stdout, replacing only our ${VARIABLES} (never "$Lates
 
 USER_DATA_B64=$(render "$HERE/cloud-init.yaml" | base64 -w0)
 export USER_DATA_B64
+# shellcheck source-path=SCRIPTDIR source=../common/build-wheel.sh
+. "$ROOT/deploy/common/build-wheel.sh"
 aws() { command aws --region "$REGION" "$@"; }
 
 case "$STEP" in
+  wheel)
+    built=$(build_wheel)
+    aws s3 cp --only-show-errors "$built" "$ELASTICYOLO_WHEEL"
+    ;;
   pki)
     members=()
     for m in $ETCD_MEMBERS; do members+=("${m%%=*}=${m#*=}"); done

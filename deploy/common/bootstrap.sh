@@ -4,22 +4,124 @@
 #      secret store into /etc/elasticyolo (root-only; systemd hands copies to the agent as
 #      credentials), without ever printing them;
 #   2. describe this VM to the agent (address, instance type, zone, spot or not) in agent.env;
-#   3. install elasticyolo into /opt/elasticyolo (scripts/setup.sh: venv, torch, Ultralytics,
-#      Horovod built with NCCL on GPU VMs; the Horovod wheel is shared through the bucket);
+#   3. install elasticyolo from its wheel into /opt/elasticyolo/.venv (below: no repository, no
+#      test tools; Horovod only when this node's jobs use engine=horovod);
 #   4. create the NVIDIA device nodes (the sandboxed unit cannot run the setuid nvidia-modprobe);
-#   5. install and start the hardened unit.
+#   5. install and start the hardened unit (shipped in the wheel).
 #
 #   bootstrap.sh aws|gcp          (settings in /etc/elasticyolo/bootstrap.env, from cloud-init)
+#   bootstrap.sh install WHEEL    step 3 alone (a baked image, or a machine without cloud-init)
+#
+# Step 3: WHEEL is a path or an s3://, gs:// or https:// URI of elasticyolo-<version>-*.whl.
+# The venv sees the image's Python packages (--system-site-packages): a torch the image already
+# has, inside the [train] extra's range, is used as it is; pip installs torch only when it is
+# missing or outside the range. Settings (environment; bootstrap.env for cloud-init):
+#   ELASTICYOLO_VENV     the venv (/opt/elasticyolo/.venv: the unit's ExecStart)
+#   ELASTICYOLO_PYTHON   the image's interpreter the venv is made from (/usr/bin/python3)
+#   ELASTICYOLO_EXTRAS   the wheel's extras (train; empty: the agent and the CLI only)
+#   ELASTICYOLO_ENGINES  the engines this node's jobs use, comma-separated (torch); horovod adds
+#                        Horovod: HOROVOD_WHEEL (a path or URI of a wheel built for this image's
+#                        torch and CUDA) when set, else built here from the patched PyPI sdist
+#                        (several minutes, compilers and CMake)
+# The default engine installs from wheels only (pip --only-binary=:all:): nothing compiles.
 set -euo pipefail
-CLOUD=${1:?usage: bootstrap.sh aws|gcp}
+MODE=${1:?usage: bootstrap.sh aws|gcp|install WHEEL}
+VENV=${ELASTICYOLO_VENV:-/opt/elasticyolo/.venv}
+log() { printf 'elasticyolo-bootstrap: %s\n' "$*" >&2; }
+
+# ---- step 3: the install ----------------------------------------------------------------------
+fetch() {  # SOURCE DIR: copy a path or URI into DIR under its own name (pip reads a wheel's tags from it)
+  local dest=$2/${1##*/}
+  case "$1" in
+    s3://*)
+      if command -v aws >/dev/null; then
+        aws s3 cp --only-show-errors "$1" "$dest"
+      else  # the image's Python with boto3 (the AWS CLI is not on every image)
+        "$PYTHON" - "$1" "$dest" <<'EOF'
+import sys, boto3
+bucket, _, key = sys.argv[1][len("s3://"):].partition("/")
+boto3.client("s3").download_file(bucket, key, sys.argv[2])
+EOF
+      fi ;;
+    gs://*) gcloud storage cp "$1" "$dest" ;;
+    http://*|https://*) curl -fsSL --retry 3 -o "$dest" "$1" ;;
+    *) cp -- "$1" "$dest" ;;
+  esac
+  printf '%s\n' "$dest"
+}
+
+apt_install() {  # PACKAGE...: what the image lacks, from its distribution
+  command -v apt-get >/dev/null || { log "missing $*; install them (no apt-get here)"; exit 1; }
+  log "installing $*"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+install_horovod() {  # PY WORKDIR
+  local py=$1 work=$2 wheel
+  if [ -n "${HOROVOD_WHEEL:-}" ]; then
+    wheel=$(fetch "$HOROVOD_WHEEL" "$work")
+  else
+    log "building Horovod from the patched PyPI sdist (no HOROVOD_WHEEL; several minutes)"
+    local need=()
+    command -v c++ >/dev/null || need+=(build-essential)
+    command -v cmake >/dev/null || need+=(cmake)
+    "$py" -c 'import os, sysconfig as s; raise SystemExit(not os.path.exists(s.get_path("include") + "/Python.h"))' ||
+      need+=(python3-dev)
+    [ ${#need[@]} -eq 0 ] || apt_install "${need[@]}"
+    if command -v nvidia-smi >/dev/null && [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then
+      export CUDA_HOME=/usr/local/cuda  # build_horovod.sh builds NCCL operations when it is set
+    fi
+    PATH="$VENV/bin:$PATH" bash "$VENV/share/elasticyolo/build_horovod.sh" "$py" "$work/horovod"
+    wheel=$(ls "$work"/horovod/horovod-*.whl)
+  fi
+  "$py" -m pip install --quiet --only-binary=:all: "$wheel"
+  "$VENV/bin/horovodrun" --check-build | grep -q '\[X\] PyTorch' || { log "Horovod was built without PyTorch"; exit 1; }
+}
+
+install_node() {  # WHEEL
+  local work wheel spec py
+  PYTHON=${ELASTICYOLO_PYTHON:-/usr/bin/python3}
+  local extras=${ELASTICYOLO_EXTRAS-train} engines=${ELASTICYOLO_ENGINES:-torch}
+  work=$(mktemp -d)
+  # shellcheck disable=SC2064  # expand now: $work is local
+  trap "rm -rf '$work'" EXIT
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+  fi
+  py=$VENV/bin/python
+  wheel=$(fetch "$1" "$work")
+  spec=$wheel
+  [ -z "$extras" ] || spec="${wheel}[$extras]"
+  log "installing ${wheel##*/}${extras:+ [$extras]} into $VENV"
+  "$py" -m pip install --quiet --only-binary=:all: "$spec"
+  case ",$engines," in
+    *,horovod,*) install_horovod "$py" "$work" ;;
+  esac
+  "$VENV/bin/elasticyolo" --version >&2
+  if [ -n "$extras" ]; then
+    "$py" -c 'import torch, torchvision, ultralytics; print(f"torch {torch.__version__} ({torch.__file__})")' >&2
+  fi
+  chmod -R a+rX "$VENV"  # the agent runs as a dynamic user: code readable, not writable
+}
+
+if [ "$MODE" = install ]; then
+  install_node "${2:?usage: bootstrap.sh install WHEEL}"
+  exit 0
+fi
+
+CLOUD=$MODE
+case "$CLOUD" in aws|gcp) ;; *) log "unknown mode $MODE (aws, gcp or install)"; exit 2 ;; esac
+set -a  # exported: AWS_DEFAULT_REGION for the AWS CLI
 # shellcheck source=/dev/null
 . /etc/elasticyolo/bootstrap.env
-: "${ELASTICYOLO_REPO:?}" "${ELASTICYOLO_REF:?}" "${SECRETS_PREFIX:?}" "${WHEEL_CACHE_URI:?}"
+set +a
+: "${ELASTICYOLO_WHEEL:?}" "${SECRETS_PREFIX:?}"
 umask 077
 PKI=/etc/elasticyolo/pki
 install -d -m 0755 /etc/elasticyolo
 install -d -m 0755 "$PKI"
-log() { printf 'elasticyolo-bootstrap: %s\n' "$*" >&2; }
 
 # ---- 1. secrets: written by the secret store's CLI straight to files (never argv, never stdout)
 fetch_secret() {  # NAME FILE MODE
@@ -67,25 +169,9 @@ ${EXTRA_AGENT_ENV:-}
 ENV
 chmod 0644 /etc/elasticyolo/agent.env
 
-# ---- 3. install (a baked image skips this: /opt/elasticyolo/.venv exists)
-if [ ! -x /opt/elasticyolo/.venv/bin/elasticyolo ]; then
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends git python3-venv python3-dev build-essential cmake curl >/dev/null
-  if [ ! -d /opt/elasticyolo/.git ]; then
-    git clone --quiet --depth 1 --branch "$ELASTICYOLO_REF" "$ELASTICYOLO_REPO" /opt/elasticyolo
-  fi
-  wheels=/var/cache/elasticyolo-wheels
-  mkdir -p "$wheels"
-  case "$CLOUD" in  # a Horovod wheel built once (by the first VM, or the operator) is reused
-    aws) aws s3 sync --quiet "$WHEEL_CACHE_URI" "$wheels" || true ;;
-    gcp) gcloud storage rsync --quiet "$WHEEL_CACHE_URI" "$wheels" || true ;;
-  esac
-  if command -v nvidia-smi >/dev/null && [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then
-    export CUDA_HOME=/usr/local/cuda
-  fi
-  (cd /opt/elasticyolo && ELASTICYOLO_WHEEL_CACHE=$wheels bash scripts/setup.sh)
-  chmod -R a+rX /opt/elasticyolo  # the agent runs as a dynamic user: code readable, not writable
+# ---- 3. install (a baked image skips this: the venv has the agent)
+if [ ! -x "$VENV/bin/elasticyolo" ]; then
+  (install_node "$ELASTICYOLO_WHEEL")
 fi
 
 # ---- 4. GPU device nodes (nvidia-modprobe is setuid: not allowed inside the unit)
@@ -94,12 +180,12 @@ if command -v nvidia-modprobe >/dev/null; then
   nvidia-smi -pm 1 >/dev/null 2>&1 || true
 fi
 
-# ---- 5. the unit
-install -m 0644 /opt/elasticyolo/systemd/elasticyolo-agent.service /etc/systemd/system/elasticyolo-agent.service
-if [ -d "/opt/elasticyolo/deploy/$CLOUD/elasticyolo-agent.service.d" ]; then
+# ---- 5. the unit and this cloud's drop-ins, as the installed wheel ships them
+share=$VENV/share/elasticyolo
+install -m 0644 "$share/systemd/elasticyolo-agent.service" /etc/systemd/system/elasticyolo-agent.service
+if [ -d "$share/$CLOUD/elasticyolo-agent.service.d" ]; then
   install -d /etc/systemd/system/elasticyolo-agent.service.d
-  install -m 0644 "/opt/elasticyolo/deploy/$CLOUD/elasticyolo-agent.service.d/"*.conf \
-    /etc/systemd/system/elasticyolo-agent.service.d/
+  install -m 0644 "$share/$CLOUD/elasticyolo-agent.service.d/"*.conf /etc/systemd/system/elasticyolo-agent.service.d/
 fi
 systemctl daemon-reload
 systemctl enable --now elasticyolo-agent

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # elasticyolo on GCP, step by step (docs/deploy.md explains each step and its order):
 #
+#   deploy/gcp/deploy.sh CONFIG wheel      build the elasticyolo wheel, upload it to ELASTICYOLO_WHEEL
 #   deploy/gcp/deploy.sh CONFIG pki        certificates for etcd members and clients (openssl)
 #   deploy/gcp/deploy.sh CONFIG sa         node service account, custom roles, prefix-scoped bucket IAM
 #   deploy/gcp/deploy.sh CONFIG secrets    etcd password, client TLS files, HMAC key -> Secret Manager
@@ -14,23 +15,25 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-[ $# -ge 2 ] || { sed -n '2,15p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,14p' "$0" >&2; exit 2; }
 CONFIG=$1 STEP=$2
 # shellcheck source-path=SCRIPTDIR source=cluster.env.example
 . "$CONFIG"
 PKI=${PKI:-$ROOT/.pki/$CLUSTER}
 SA=elasticyolo-$CLUSTER-node@$PROJECT.iam.gserviceaccount.com
-VARS=(CLUSTER BUCKET JOB DATA_CACHE_MAX_GB ELASTICYOLO_REPO ELASTICYOLO_REF ETCD_ENDPOINTS BOOTSTRAP_SH_B64)
+VARS=(CLUSTER BUCKET JOB DATA_CACHE_MAX_GB ELASTICYOLO_WHEEL ELASTICYOLO_ENGINES HOROVOD_WHEEL ETCD_ENDPOINTS BOOTSTRAP_SH_B64)
 ETCD_ENDPOINTS=$(for m in $ETCD_MEMBERS; do printf 'https://%s:2379,' "${m#*=}"; done)
 ETCD_ENDPOINTS=${ETCD_ENDPOINTS%,}
 export BOOTSTRAP_SH_B64
-BOOTSTRAP_SH_B64=$(base64 -w0 "$ROOT/deploy/common/bootstrap.sh")
+BOOTSTRAP_SH_B64=$(gzip -9n <"$ROOT/deploy/common/bootstrap.sh" | base64 -w0)  # small user data
 export "${VARS[@]}"
 
 render() {  # TEMPLATE -> stdout, replacing only our ${VARIABLES}
   # shellcheck disable=SC2016  # the literal ${NAME} list is envsubst's argument
   envsubst "$(printf '${%s} ' "${VARS[@]}")" <"$1"
 }
+# shellcheck source-path=SCRIPTDIR source=../common/build-wheel.sh
+. "$ROOT/deploy/common/build-wheel.sh"
 gcloud() { command gcloud --project "$PROJECT" --quiet "$@"; }
 
 # An IAM condition scoping a bucket role to one prefix: objects under it, and listings of it.
@@ -40,6 +43,10 @@ prefix_condition() {  # PREFIX TITLE
 }
 
 case "$STEP" in
+  wheel)
+    built=$(build_wheel)
+    gcloud storage cp "$built" "$ELASTICYOLO_WHEEL"
+    ;;
   pki)
     members=()
     for m in $ETCD_MEMBERS; do members+=("${m%%=*}=${m#*=}"); done

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from elasticyolo.agent.sd_notify import SystemdNotifier
 from elasticyolo.config import DEFAULT_CONFIG_PATH
+from elasticyolo.errors import UserError
 from elasticyolo.spot.providers import PROVIDERS
 
 
@@ -82,6 +84,18 @@ def run(args: argparse.Namespace) -> int:
     from elasticyolo.priority import as_agent
 
     as_agent()  # before any thread: lease renewals and heartbeats stay ahead of training (priority.py)
+    notifier = SystemdNotifier()
+    try:
+        return _run(args, notifier)
+    except UserError as exc:
+        # `systemctl status` shows why the agent stopped. Exit 2 (a configuration error) is not
+        # restarted (the unit's RestartPreventExitStatus=2); exit 3 (etcd unreachable) is.
+        kind = "configuration error" if exc.exit_code == 2 else "error"
+        notifier.final_status(f"{kind}: {exc}")
+        raise
+
+
+def _run(args: argparse.Namespace, notifier: SystemdNotifier) -> int:
     from elasticyolo import log
     from elasticyolo.agent.daemon import Agent
     from elasticyolo.agent.drain import SpotDrain
@@ -103,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         # Prices by the price table need the type; the cloud's metadata states it (cost.py).
         cfg, itype_source = cfg.model_copy(update={"instance_type": itype}), f"metadata:{spot.watcher.provider}"
     # The shipper last: it ships what the others log when the agent stops.
-    agent = Agent(cfg, plugins=[spot, DataStagingHook(cfg), EngineDispatch(), shipper])
+    agent = Agent(cfg, plugins=[spot, DataStagingHook(cfg), EngineDispatch(), shipper], notifier=notifier)
     if itype_source:
         agent.set_record_field("instance_type_source", itype_source)
     agent.signal_sink = spot.watcher.inject_signal
