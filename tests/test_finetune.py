@@ -4,13 +4,16 @@ epoch from a yaml on generated data, and fine-tuned from.
 
 Frozen tensors (parameters and their layers' BatchNorm statistics) must come out of training bit
 for bit as they went in: through `elasticyolo train`, and through rollbacks, restores and
-checkpoints (in the core here; through agents, resizes and a killed node in
-test_finetune_cluster.py)."""
+checkpoints, in the core, and through two agents with a node killed mid-run."""
 
 from __future__ import annotations
 
+import io
+import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +21,16 @@ import boto3
 import pytest
 import torch
 
+from elasticyolo.checkpoint import open_store
+from elasticyolo.checkpoint.catalog import list_manifests
+from elasticyolo.checkpoint.format import load_checkpoint_file
+from elasticyolo.checkpoint.restore import download_verified
 from elasticyolo.data.staging import StagingError, Stager, resolve_for_spec
 from elasticyolo.data.staging_cache import DatasetCache
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.errors import UserError
 from elasticyolo.spec import TrainSpec
+from elasticyolo.testing.processes import running
 from elasticyolo.testing.pty import run_on_pty
 from elasticyolo.testing.servers import S3Server
 
@@ -32,8 +40,6 @@ FROZEN = 10  # freeze=10: yolov8n's backbone (layers 0-9)
 
 def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
         timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    import os
-
     return subprocess.run([ELASTICYOLO, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, **(env or {})})
 
@@ -79,7 +85,7 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
 
 @pytest.fixture
 def bucket(s3: S3Server, request: pytest.FixtureRequest) -> str:
-    name = "ft-" + request.node.name.replace("_", "-")[:40].lower().strip("-")
+    name = "ft-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[-40:].strip("-")
     boto3.client("s3").create_bucket(Bucket=name)
     return name
 
@@ -271,3 +277,81 @@ def test_train_cli_fine_tunes_with_frozen_layers(weights: Path, data: Path, tmp_
     assert ckpt["train_args"]["freeze"] == 10
     args = (tmp_path / "runs").rglob("args.yaml")
     assert any("freeze: 10" in a.read_text() for a in args)
+
+
+def test_agent_says_why_weights_cannot_be_staged(cluster: Any, data: Path, bucket: str, tmp_path: Path) -> None:
+    """A missing weights object: the node never offers its slots, and `status` says why."""
+    uri = f"s3://{bucket}/models/missing.pt"
+    c = cluster
+    c.start("a", "--data-cache-dir", str(tmp_path / "cache-a"))
+    c.wait(lambda: c.ready(["a"]) and c.leader(), 60, "an agent and a leader")
+    c.submit(f"model={uri}", f"data={data}", "epochs=1", "imgsz=64", "val=false")
+    failed = c.wait(lambda: (c.nodes()["a"].get("data") or {}).get("state") == "failed" and c.nodes()["a"]["data"],
+                    60, "the node's staging to fail")
+    assert failed["error"] == f"weights {uri}: no such object", failed
+    assert [n["data"]["error"] for n in c.status()["nodes"]] == [failed["error"]]  # status --json
+    assert not c.steps() and c.world().get("ranks") in (None, {})
+
+
+# ---- through agents ------------------------------------------------------------------------------
+# Loaded 2-core CI box: worker start-up (torch + Ultralytics import) can take ~30 s.
+START_S, STEP_S = 240, 120
+
+
+def cluster_spec(weights_uri: str, data: Path, checkpoints: str, epochs: int) -> list[str]:
+    # 16 images, batch 4, nbs 4: 2 steps an epoch at world 2, 4 at world 1; a commit every step and
+    # a checkpoint every 2, all kept, so every one of them can be checked.
+    return [f"model={weights_uri}", f"data={data}", f"freeze={FROZEN}", f"epochs={epochs}", "imgsz=64", "batch=4",
+            "nbs=4", "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
+            "gloo_timeout_s=5", "cooldown_s=1,4", f"checkpoint={checkpoints}", "save_period_steps=2",
+            "keep_last=100"]
+
+
+def stored_checkpoints(uri: str, job: str) -> list[tuple[Any, dict[str, Any]]]:
+    """Every checkpoint of `job` in the store at `uri`, verified against its manifest, oldest first."""
+    store = open_store(uri)
+    out = []
+    for m in list_manifests(store, job):
+        buf = io.BytesIO()
+        download_verified(store, m, buf)
+        out.append((m, load_checkpoint_file(buf)))
+    return out
+
+
+def test_agents_keep_frozen_layers_through_a_killed_node(cluster: Any, weights: Path, data: Path, bucket: str,
+                                                        tmp_path: Path) -> None:
+    """Two agents fine-tune from weights in S3 with freeze=10 (Horovod, checkpoints to S3): each
+    node stages the weights once; a node is SIGKILLed mid-run, the survivor rolls back to its last
+    commit and trains on alone to the end. Every checkpoint of the run (the final one too) holds
+    the frozen layers bit for bit as the weights file had them."""
+    boto3.client("s3").upload_file(str(weights), bucket, "models/w.pt")
+    uri, checkpoints = f"s3://{bucket}/models/w.pt", f"s3://{bucket}/ckpt"
+    c = cluster
+    for node in ("a", "b"):
+        c.start(node, "--data-cache-dir", str(tmp_path / f"cache-{node}"))
+    c.wait(lambda: c.ready(["a", "b"]) and c.leader(), 60, "two agents and a leader")
+    c.submit(*cluster_spec(uri, data, checkpoints, epochs=8))
+    c.wait(lambda: {e["rank"] for e in c.steps(world=2)} == {0, 1}, START_S, "both ranks training at world 2")
+    for node, rec in c.nodes().items():  # staged by each node's agent, once, before it trained
+        staged = rec["data"]
+        assert (staged["uri"], staged["state"], staged["downloaded_files"]) == (uri, "ready", 1), (node, staged)
+    c.wait(lambda: max(e["step"] for e in c.steps(world=2)) >= 2, STEP_S, "a commit and a checkpoint at world 2")
+    victim = next(n for n in ("b", "a") if n != c.leader())
+    children = c.kill(victim)
+    t_kill = time.time()
+    c.wait(lambda: not any(running(p) for p in children), 10, f"{victim}'s workers to die with their agent")
+    c.wait(lambda: [e for e in c.steps(world=1) if e["t"] > t_kill], STEP_S, "a step at world 1 after the kill")
+    assert [e for e in c.events() if e["ev"] == "resume" and e["world"] == 1 and e["t"] > t_kill]  # a rollback
+    c.wait(lambda: c.job_state() in ("done", "failed"), 600, "the job to finish")
+    assert c.job_state() == "done"
+
+    src = source_state(weights)
+    saved = stored_checkpoints(checkpoints, c.job)
+    assert len(saved) >= 3 and saved[-1][0].reason == "final", [m.reason for m, _ in saved]
+    for manifest, ckpt in saved:
+        for part in ("model", "ema"):
+            assert_bit_identical(frozen_entries(ckpt["elasticyolo"][part]), frozen_entries(src),
+                                 f"{part} of the checkpoint at step {manifest.step}")
+    final = saved[-1][1]["elasticyolo"]["model"]
+    assert not torch.equal(final["model.22.cv2.0.0.conv.weight"], src["model.22.cv2.0.0.conv.weight"])
+    assert final["model.12.cv1.bn.running_mean"].ne(src["model.12.cv1.bn.running_mean"]).any()
