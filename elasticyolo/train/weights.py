@@ -57,7 +57,7 @@ def build_model(spec: TrainSpec, nc: int, names: dict[int, str]) -> DetectionMod
     model: Any
     if name.endswith(".pt"):
         source = _weights(name, "model", spec)
-        if spec.pretrained == "false":  # Ultralytics: the checkpoint's architecture, no weights
+        if spec.pretrained not in (None, "true"):  # its architecture: random weights, or pretrained='s below
             model = DetectionModel(cfg=source.yaml, nc=nc, ch=3, verbose=False)
         elif getattr(source, "nc", nc) != nc:  # same architecture, a new head
             model = DetectionModel(cfg=source.yaml, nc=nc, ch=3, verbose=False)
