@@ -291,6 +291,9 @@ def test_agent_says_why_weights_cannot_be_staged(cluster: Any, data: Path, bucke
     assert failed["error"] == f"weights {uri}: no such object", failed
     assert [n["data"]["error"] for n in c.status()["nodes"]] == [failed["error"]]  # status --json
     assert not c.steps() and c.world().get("ranks") in (None, {})
+    r = run("cancel", "--etcd", c.endpoints, "--job", c.job)  # the node goes back to IDLE: a quick stop
+    assert r.returncode == 0, r.stderr
+    c.wait(lambda: c.nodes()["a"]["state"] == "IDLE", 30, "the node idle")
 
 
 # ---- through agents ------------------------------------------------------------------------------

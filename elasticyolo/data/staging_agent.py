@@ -93,11 +93,16 @@ class DataStagingHook(AgentPlugin):
         uris = tuple(spec_sources(spec)) if job.active and spec is not None else ()
         if not uris:
             return None
-        if agent.state in (NodeState.DRAINING, NodeState.LEFT, NodeState.FAILED):
+        if agent.state in (NodeState.LEFT, NodeState.FAILED):
             return None
         return uris, tuple(sorted(s3_options(uris[0], spec).items()))
 
     def _reconcile(self, agent: NodeAPI) -> None:
+        if agent.state == NodeState.DRAINING:
+            # Staging stopped (on_drain); the record stays as it is, so a node whose inputs are not
+            # staged is not offered to a world while it hands over.
+            self._publish(agent)
+            return
         want = self._wanted(agent)
         if want != self._want:
             self._switch(want)
