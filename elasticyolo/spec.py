@@ -8,6 +8,7 @@ No torch here: the CLI and the agent validate specs too.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -59,6 +60,15 @@ class TrainSpec(S3Settings):
     val: bool = True
     hyp: dict[str, float] = Field(default_factory=dict, description="Ultralytics augmentation/loss keys")
 
+    # Fine-tuning (Ultralytics' meanings).
+    pretrained: str | None = Field(None, description=(
+        "weights to start from: a .pt path or s3://bucket/key.pt, whose matching tensors transfer into model= "
+        "(a .yaml, or a .pt's architecture); false: a .pt model='s architecture from random weights; "
+        "unset or true: a .pt model='s own weights"))
+    freeze: int | list[int | str] | None = Field(None, description=(
+        "layers kept as loaded: N (layers 0..N-1) or a list of layer indices (0,1,2 or [0,1,2]; a name such as "
+        "22.cv2 for part of one); their BatchNorm statistics stay too"))
+
     # Elasticity.
     engine: str = Field("horovod", description="horovod, torch, or a registered engine (engines/registry.py)")
     policy: Literal["linear", "constant_global_batch"] = "linear"
@@ -104,6 +114,25 @@ class TrainSpec(S3Settings):
         from elasticyolo.models import check_model_name
 
         return check_model_name(v)
+
+    @field_validator("pretrained", mode="before")
+    @classmethod
+    def _pretrained(cls, v: Any) -> str | None:
+        text = "" if v is None else str(v).strip()
+        if text.lower() in ("", "none", "null"):
+            return None
+        if text.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return "true" if text.lower() in ("true", "1", "yes") else "false"
+        from elasticyolo.models import WEIGHTS_HELP, check_weights_source
+
+        if not text.endswith(".pt"):
+            raise ValueError(f"{text!r} is not a weights file: expected {WEIGHTS_HELP}, true or false")
+        return check_weights_source(text)
+
+    @field_validator("freeze", mode="before")
+    @classmethod
+    def _freeze(cls, v: Any) -> int | list[int | str] | None:
+        return parse_freeze(v)
 
     @field_validator("engine")
     @classmethod
@@ -172,6 +201,9 @@ class TrainSpec(S3Settings):
             raise ValueError(f"max_nodes={self.max_nodes} is below min_nodes={self.min_nodes}")
         if self.cooldown_s[0] > self.cooldown_s[1]:
             raise ValueError("cooldown_s: MIN is above MAX")
+        if self.pretrained == "true" and not self.model.endswith(".pt"):
+            raise ValueError(f"pretrained=true: model={self.model} is an architecture without weights, and "
+                             "elasticyolo downloads none; give pretrained=PATH.pt or s3://bucket/key.pt")
         return self
 
     # ---- construction -------------------------------------------------------------------
@@ -230,7 +262,7 @@ class TrainSpec(S3Settings):
         """The keys Ultralytics' `get_cfg` understands, for the loss gains and augmentation."""
         keys = ("imgsz", "batch", "lr0", "lrf", "momentum", "weight_decay", "warmup_epochs",
                 "warmup_momentum", "warmup_bias_lr", "nbs", "cos_lr", "close_mosaic", "epochs",
-                "seed", "workers", "optimizer", "amp", "channels_last")
+                "seed", "workers", "optimizer", "amp", "channels_last", "freeze")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
         out["cache"] = False if self.cache == "false" else self.cache
         out.update(self.hyp)
@@ -244,10 +276,8 @@ UNSUPPORTED_ULTRALYTICS = {
     "save_dir": "use project= and name=",
     "time": "use epochs=",
     "fraction": "write a smaller data.yaml (elasticyolo data synth, or a list file)",
-    "pretrained": "use model=PATH.pt for a local checkpoint (nothing is downloaded)",
     "rect": "training batches are shuffled shards of the elastic sampler (validation is rect)",
     "multi_scale": "train at one imgsz=",
-    "freeze": "not supported by the elastic trainer",
     "single_cls": "relabel the dataset",
     "batch_size": "use batch= (images per worker per step)",
 }
@@ -272,8 +302,51 @@ def cfg_pairs(path: str) -> list[str]:
             raise UserError(f"cfg={path}: unknown option {key!r} (see `elasticyolo train --help`)")
         if value is None:  # Ultralytics' "not set": our default applies
             continue
+        if key == "pretrained" and value is True:  # Ultralytics' default, which unset means here
+            continue
         words.append(f"{key}={value}")
     return words
+
+
+_LAYER_NAME = re.compile(r"^\d+(\.[A-Za-z_][A-Za-z0-9_]*|\.\d+)*$")
+FREEZE_HELP = "N (layers 0..N-1) or layer indices such as 0,1,2 or [0,1,2]"
+
+
+def parse_freeze(v: Any) -> int | list[int | str] | None:
+    """Ultralytics' `freeze`: None, a count N, or a list of layer indices (a dotted name such as
+    `22.cv2` names part of a layer). On the command line a list is `0,1,2` or `[0,1,2]`."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise ValueError(f"{v!r} is not a layer count: expected {FREEZE_HELP}")
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError(f"{v} is negative: expected {FREEZE_HELP}")
+        return v
+    if isinstance(v, str):
+        text = v.strip()
+        if text.lower() in ("", "none", "null"):
+            return None
+        listed = text.startswith(("[", "(")) or "," in text
+        items: list[Any] = [p.strip().strip("'\"") for p in text.strip("[]() ").split(",") if p.strip()]
+        if not listed:
+            if not text.isdigit():
+                raise ValueError(f"{v!r} is not a layer count: expected {FREEZE_HELP}")
+            return int(text)
+    elif isinstance(v, (list, tuple)):
+        items = list(v)
+    else:
+        raise ValueError(f"{v!r}: expected {FREEZE_HELP}")
+    out: list[int | str] = []
+    for item in items:
+        if isinstance(item, bool) or not (isinstance(item, int) or _LAYER_NAME.match(str(item))):
+            raise ValueError(f"{item!r} in {v!r} is not a layer index: expected {FREEZE_HELP}")
+        value: int | str = int(item) if str(item).isdigit() else str(item)
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"{item!r} in {v!r} is negative: expected {FREEZE_HELP}")
+        if value not in out:
+            out.append(value)
+    return out
 
 
 def ultralytics_defaults() -> dict[str, Any]:

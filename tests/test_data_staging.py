@@ -73,7 +73,7 @@ def test_stage_verifies_reuses_and_follows_changes(tmp_path: Path, dataset: Path
     first = Stager(cache, max_concurrency=4).stage(uri)
     assert not first.reused and first.downloaded_files == first.files == len(_files(dataset))
     assert first.verified == {"md5": first.files}
-    files = first.data_yaml.parent / "files"
+    files = first.path.parent / "files"
     _same_tree(dataset, files)
     # the rewritten data.yaml points at the local copy; workers resolve s3:// through it
     monkeypatch.setenv("ELASTICYOLO_DATA_CACHE", str(cache.root))
@@ -142,7 +142,7 @@ def test_interrupted_staging_resumes(tmp_path: Path, dataset: Path, bucket: str,
     assert not fetched & journaled, "a journaled object was fetched again"
     assert result.downloaded_files == result.files - len(journaled)
     assert proxy.gets["shapes/shards/big.bin"] == 12 - segs_done  # only the missing segments
-    files = result.data_yaml.parent / "files"
+    files = result.path.parent / "files"
     assert (files / "shards/big.bin").read_bytes() == big
     (files / "shards/big.bin").unlink()
     _same_tree(dataset, files)
@@ -163,7 +163,7 @@ def test_corrupt_object_is_detected(tmp_path: Path, dataset: Path, bucket: str, 
     proxy.corrupt[key] = 1  # corrupted once in flight: detected, fetched again, staged correctly
     result = Stager(cache, client=client).stage(uri)
     assert proxy.gets[key] == 2
-    _same_tree(dataset, result.data_yaml.parent / "files")
+    _same_tree(dataset, result.path.parent / "files")
 
     cache2 = DatasetCache(tmp_path / "cache2")
     proxy.corrupt[key] = -1  # always corrupt: staging fails, naming the object; nothing bad is kept
@@ -215,7 +215,7 @@ def test_verification_without_an_md5_etag(tmp_path: Path) -> None:
     import base64
     import hashlib
 
-    from elasticyolo.data.staging import DatasetRef, RemoteObject
+    from elasticyolo.data.staging import SourceRef, RemoteObject
 
     body = b"x" * 1000
     sha = base64.b64encode(hashlib.sha256(body).digest()).decode()
@@ -228,7 +228,7 @@ def test_verification_without_an_md5_etag(tmp_path: Path) -> None:
 
     path = tmp_path / "obj"
     path.write_bytes(body)
-    ref, obj = DatasetRef.parse("s3://bkt/p/data.yaml"), RemoteObject("obj", 1000, "f" * 32)
+    ref, obj = SourceRef.parse("s3://bkt/p/data.yaml"), RemoteObject("obj", 1000, "f" * 32)
     stager = Stager(DatasetCache(tmp_path), client=Client())
     Client.head = {"ServerSideEncryption": "aws:kms", "ChecksumSHA256": sha}
     assert stager._verify(ref, obj, path) == (None, "checksum")

@@ -66,11 +66,11 @@ def run(args: argparse.Namespace) -> int:
         cache = DatasetCache.from_settings(args.cache, args.max_gb)
         result = Stager(cache, _options(args, args.uri), max_concurrency=args.concurrency).stage(args.uri)
         if args.json:
-            print(json.dumps({"data_yaml": str(result.data_yaml), **result.as_record()}))
+            print(json.dumps({"data_yaml": str(result.path), **result.as_record()}))
         else:
             print(f"{args.uri}: {'cached' if result.reused else 'staged'} {result.files} files "
                   f"({result.bytes / 1e6:.1f} MB, fetched {result.downloaded_bytes / 1e6:.1f} MB) in "
-                  f"{result.seconds:.1f}s: {result.data_yaml}")
+                  f"{result.seconds:.1f}s: {result.path}")
         return 0
     if args.action == "upload":
         from elasticyolo.data.staging_upload import upload_dataset

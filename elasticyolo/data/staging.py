@@ -1,7 +1,9 @@
-"""Datasets from S3: `data=s3://bucket/prefix/data.yaml` is staged into a node-local cache.
+"""Datasets and weights from S3, staged into a node-local cache.
 
-The dataset is every object under the data.yaml's "directory" (`s3://bucket/prefix/`); its copy
-lives in the cache (staging_cache.py) and a rewritten data.yaml points Ultralytics at it.
+`data=s3://bucket/prefix/data.yaml`: the dataset is every object under the data.yaml's
+"directory" (`s3://bucket/prefix/`); its copy lives in the cache (staging_cache.py) and a
+rewritten data.yaml points Ultralytics at it. `model=` or `pretrained=s3://bucket/key.pt`: the
+weights are that one object, staged the same way and used as a local `.pt`.
 
 * Parallel: small objects through boto3's transfer manager (`max_concurrency` requests at
   once); objects of `large_object_bytes` or more in `segment_bytes` ranges fetched in parallel.
@@ -18,8 +20,8 @@ lives in the cache (staging_cache.py) and a rewritten data.yaml points Ultralyti
   one only fetches what changed.
 
 Who stages: the agent (staging_agent.py) before it offers the node's slots to a job; a worker
-started by an agent only waits for that (`resolve_data_yaml`); a single process (`elasticyolo
-train`, `elasticyolo data stage`) stages itself. Only boto3/s3transfer here, no torch.
+started by an agent only waits for that (`resolve_staged`); a single
+process (`elasticyolo train`, `elasticyolo data stage`) stages itself. Only boto3/s3transfer here, no torch.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import yaml
 
 from elasticyolo.data.staging_cache import CacheEntry, DatasetCache, DatasetLock, GiB, Journal, default_cache_root
 from elasticyolo.errors import UnavailableError, UserError
+from elasticyolo.weights_file import check_weights_file
 
 MiB = 1024 * 1024
 STAGER_ENV = "ELASTICYOLO_DATA_STAGER"  # "agent": workers wait for their agent instead of staging
@@ -63,30 +66,60 @@ def is_remote(data: str) -> bool:
     return str(data).startswith("s3://")
 
 
+WEIGHTS_SUFFIX = ".pt"
+
+
+def is_weights_uri(uri: str) -> bool:
+    """An `s3://` URI naming one weights file (staged alone) rather than a dataset's data.yaml."""
+    return is_remote(uri) and str(uri).endswith(WEIGHTS_SUFFIX)
+
+
 @dataclass(frozen=True)
-class DatasetRef:
+class SourceRef:
+    """What one `s3://` URI stages: a dataset (every object under its data.yaml's prefix) or a
+    weights file (that object alone)."""
+
     uri: str
     bucket: str
-    prefix: str  # "" or "a/b" (no trailing slash): the dataset's root
-    yaml_name: str  # the data.yaml's key relative to prefix
+    prefix: str  # "" or "a/b" (no trailing slash): the folder of the object the URI names
+    main_key: str  # that object's key relative to prefix: the data.yaml, or the weights file
+    kind: str = "dataset"  # "dataset" or "weights"
 
     @classmethod
-    def parse(cls, uri: str) -> "DatasetRef":
+    def parse(cls, uri: str) -> "SourceRef":
+        """A weights file when the URI ends in `.pt`, else a dataset's data.yaml."""
         from elasticyolo.checkpoint.stores.s3 import valid_bucket_name
 
+        kind = "weights" if str(uri).endswith(WEIGHTS_SUFFIX) else "dataset"
+        expected = "s3://bucket/key.pt" if kind == "weights" else "s3://bucket/prefix/data.yaml"
         rest = uri.removeprefix("s3://")
         bucket, _, key = rest.partition("/")
         if not uri.startswith("s3://") or not bucket or not key or key.endswith("/"):
-            raise UserError(f"dataset {uri!r}: expected s3://bucket/prefix/data.yaml")
+            raise UserError(f"{kind} {uri!r}: expected {expected}")
         if not valid_bucket_name(bucket):
-            raise UserError(f"dataset {uri!r}: {bucket!r} is not a valid S3 bucket name")
-        if not key.endswith((".yaml", ".yml")):
+            raise UserError(f"{kind} {uri!r}: {bucket!r} is not a valid S3 bucket name")
+        if kind == "dataset" and not key.endswith((".yaml", ".yml")):
             raise UserError(f"dataset {uri!r}: name the dataset's data.yaml (s3://bucket/prefix/data.yaml)")
         prefix, _, name = key.rpartition("/")
-        return cls(uri, bucket, prefix, name)
+        return cls(uri, bucket, prefix, name, kind)
 
     def full_key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    @property
+    def list_prefix(self) -> str:
+        """What to list: the dataset's folder, or the weights file's own key."""
+        if self.kind == "weights":
+            return self.full_key(self.main_key)
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def wanted(self, rel: str) -> bool:
+        """Is listed object `rel` part of what this URI stages?"""
+        return self.kind == "dataset" or rel == self.main_key
+
+    def local(self, entry: CacheEntry) -> Path:
+        """The file a job uses: the rewritten data.yaml, or the weights file."""
+        return entry.data_yaml if self.kind == "dataset" else entry.local_path(self.main_key)
 
 
 @dataclass(frozen=True)
@@ -114,7 +147,7 @@ class StageProgress:
 @dataclass
 class StageResult:
     uri: str
-    data_yaml: Path
+    path: Path  # what a job uses: the rewritten data.yaml, or the weights file
     files: int
     bytes: int
     downloaded_files: int
@@ -201,7 +234,7 @@ class Stager:
     def stage(self, uri: str) -> StageResult:
         """Make the local copy match S3. Checking an unchanged copy needs only a shared lock (jobs
         keep training on it); changing it waits for an exclusive one (no job uses it then)."""
-        ref = DatasetRef.parse(uri)
+        ref = SourceRef.parse(uri)
         entry = self.cache.entry(uri)
         lock = DatasetLock(entry)
         progress = StageProgress("listing")
@@ -216,14 +249,14 @@ class Stager:
                 if offline is None:
                     raise
                 return offline
-            if not any(o.key == ref.yaml_name for o in objects):
-                raise StagingError(f"dataset {ref.uri}: no such object")
+            if not any(o.key == ref.main_key for o in objects):
+                raise StagingError(f"{ref.kind} {ref.uri}: no such object")
             reused = self._reuse(ref, entry, objects, progress)
             if reused is not None:
                 return reused
             lock.release()
             if not lock.acquire(exclusive=True, timeout=1.0):
-                self.log.info("waiting for the jobs using the old copy to end", dataset=ref.uri)
+                self.log.info("waiting for the jobs using the old copy to end", source=ref.uri)
                 if not lock.acquire(exclusive=True, cancelled=self.cancel.is_set):
                     raise StagingCancelled(uri)
             # Another stager may have finished while we waited.
@@ -231,37 +264,37 @@ class Stager:
         finally:
             lock.close()
 
-    def _offline_copy(self, ref: DatasetRef, entry: CacheEntry, progress: StageProgress,
+    def _offline_copy(self, ref: SourceRef, entry: CacheEntry, progress: StageProgress,
                       exc: Exception) -> StageResult | None:
         """S3 unreachable: a complete earlier copy is used (with a warning), else None."""
         meta = entry.read_meta()
-        if meta.get("state") == "ready" and meta.get("uri") == ref.uri and entry.data_yaml.is_file():
+        if meta.get("state") == "ready" and meta.get("uri") == ref.uri and ref.local(entry).is_file():
             self.log.warning("S3 unreachable; using the staged copy without checking for changes",
-                             dataset=ref.uri, error=str(exc))
+                             source=ref.uri, error=str(exc))
             entry.write_meta(last_used=time.time())
-            return StageResult(ref.uri, entry.data_yaml, int(meta.get("files", 0)), int(meta.get("bytes", 0)),
+            return StageResult(ref.uri, ref.local(entry), int(meta.get("files", 0)), int(meta.get("bytes", 0)),
                                0, 0, progress.seconds, True, offline=True)
         return None
 
-    def _reuse(self, ref: DatasetRef, entry: CacheEntry, objects: list[RemoteObject],
+    def _reuse(self, ref: SourceRef, entry: CacheEntry, objects: list[RemoteObject],
                progress: StageProgress) -> StageResult | None:
         """The copy as it is, when it is complete and S3's listing has not changed since."""
         digest = listing_digest(objects)
         total = sum(o.size for o in objects)
         progress.files_total, progress.bytes_total = len(objects), total
         meta = entry.read_meta()
-        if not (meta.get("state") == "ready" and meta.get("digest") == digest and entry.data_yaml.is_file()
+        if not (meta.get("state") == "ready" and meta.get("digest") == digest and ref.local(entry).is_file()
                 and all(self._present(entry, o) for o in objects)):
             return None
         entry.write_meta(last_used=time.time())
         progress.phase, progress.files_done, progress.bytes_done = "ready", len(objects), total
         self._report(progress, force=True)
-        self.log.info("dataset reused", dataset=ref.uri, files=len(objects), bytes=total,
+        self.log.info(f"{ref.kind} reused", source=ref.uri, files=len(objects), bytes=total,
                       seconds=round(progress.seconds, 3))
-        return StageResult(ref.uri, entry.data_yaml, len(objects), total, 0, 0, progress.seconds, True,
+        return StageResult(ref.uri, ref.local(entry), len(objects), total, 0, 0, progress.seconds, True,
                            verified=dict(meta.get("verified") or {}))
 
-    def _stage_locked(self, ref: DatasetRef, entry: CacheEntry, objects: list[RemoteObject],
+    def _stage_locked(self, ref: SourceRef, entry: CacheEntry, objects: list[RemoteObject],
                       progress: StageProgress) -> StageResult:
         digest = listing_digest(objects)
         total = sum(o.size for o in objects)
@@ -297,40 +330,44 @@ class Stager:
                 jr.add(o.key, o.size, o.etag)
             progress.phase = "downloading"
             progress.files_done, progress.bytes_done = len(objects) - len(todo), present
-            self.log.info("staging dataset", dataset=ref.uri, files=len(objects), bytes=total, to_fetch=len(todo),
+            self.log.info(f"staging {ref.kind}", source=ref.uri, files=len(objects), bytes=total, to_fetch=len(todo),
                           fetch_bytes=sum(o.size for o in todo), cache=str(entry.dir))
             self._download_all(ref, entry, todo, jr, progress, verified)
+            if ref.kind == "weights":
+                check_weights_file(ref.local(entry), f"weights {ref.uri}", StagingError)
         except BaseException as exc:
             if not isinstance(exc, StagingCancelled):
                 entry.write_meta(state="failed", error=str(exc)[:500])
             raise
         finally:
             jr.close()
-        self._write_data_yaml(ref, entry)
+        if ref.kind == "dataset":
+            self._write_data_yaml(ref, entry)
         shutil.rmtree(entry.tmp, ignore_errors=True)
         seconds = progress.seconds
         entry.write_meta(state="ready", digest=digest, completed_at=time.time(), seconds=round(seconds, 3),
                          last_used=time.time(), verified=verified, error=None)
         progress.phase = "ready"
         self._report(progress, force=True)
-        result = StageResult(ref.uri, entry.data_yaml, len(objects), total, len(todo),
+        result = StageResult(ref.uri, ref.local(entry), len(objects), total, len(todo),
                              sum(o.size for o in todo), seconds, not todo, evicted, verified)
-        self.log.info("dataset staged", dataset=ref.uri, **result.as_record())
+        self.log.info(f"{ref.kind} staged", source=ref.uri, **result.as_record())
         return result
 
     # ---- listing --------------------------------------------------------------------------
-    def _list(self, ref: DatasetRef) -> list[RemoteObject]:
+    def _list(self, ref: SourceRef) -> list[RemoteObject]:
         prefix = f"{ref.prefix}/" if ref.prefix else ""
         out: list[RemoteObject] = []
         skipped: list[str] = []
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=ref.bucket, Prefix=prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=ref.bucket,
+                                                                              Prefix=ref.list_prefix):
                 if self.cancel.is_set():
                     raise StagingCancelled(ref.uri)
                 for item in page.get("Contents", []):
                     rel = str(item["Key"])[len(prefix):]
-                    if rel.endswith("/"):
-                        continue  # a "directory" marker
+                    if rel.endswith("/") or not ref.wanted(rel):
+                        continue  # a "directory" marker, or a neighbour of a weights file
                     try:
                         CacheEntry(Path("/"), "x").local_path(rel)
                     except ValueError:
@@ -342,12 +379,12 @@ class Stager:
         except Exception as exc:  # noqa: BLE001 - one line below
             raise self._explain(ref, exc) from None
         if skipped:
-            self.log.warning("objects with unsafe names skipped", dataset=ref.uri, count=len(skipped),
+            self.log.warning("objects with unsafe names skipped", source=ref.uri, count=len(skipped),
                              example=skipped[0])
         return out
 
     # ---- downloads --------------------------------------------------------------------------
-    def _download_all(self, ref: DatasetRef, entry: CacheEntry, todo: list[RemoteObject], jr: Journal,
+    def _download_all(self, ref: SourceRef, entry: CacheEntry, todo: list[RemoteObject], jr: Journal,
                       progress: StageProgress, verified: dict[str, int]) -> None:
         from s3transfer.manager import TransferConfig, TransferManager
 
@@ -410,9 +447,9 @@ class Stager:
                 else:
                     tmp.unlink(missing_ok=True)
                     if attempts[o.key] >= self.attempts:
-                        raise StagingError(f"dataset {ref.uri}: {o.key}: {reason} "
+                        raise StagingError(f"{ref.kind} {ref.uri}: {o.key}: {reason} "
                                            f"(after {attempts[o.key]} downloads)")
-                    self.log.warning("object failed verification; fetching it again", dataset=ref.uri, key=o.key,
+                    self.log.warning("object failed verification; fetching it again", source=ref.uri, key=o.key,
                                      reason=reason, attempt=attempts[o.key])
                     submit(o)
                 for nxt in _take(queue_ahead, 1):
@@ -423,7 +460,7 @@ class Stager:
             tm.shutdown(cancel=cancel)
             segments.shutdown(wait=True, cancel_futures=True)
 
-    def _failure(self, ref: DatasetRef, o: RemoteObject, tmp: Path, err: BaseException | None
+    def _failure(self, ref: SourceRef, o: RemoteObject, tmp: Path, err: BaseException | None
                  ) -> tuple[str | None, str]:
         """(why this download is unusable or None, how it was verified). Raises for errors that
         another download cannot fix (access denied, the object changed or is gone)."""
@@ -439,12 +476,12 @@ class Stager:
         if isinstance(err, bce.ClientError):
             code = str(err.response.get("Error", {}).get("Code", ""))
             if code in ("PreconditionFailed", "412"):
-                raise StagingError(f"dataset {ref.uri}: {o.key} changed in S3 while staging; stage again") from None
+                raise StagingError(f"{ref.kind} {ref.uri}: {o.key} changed in S3 while staging; stage again") from None
             if code not in ("SlowDown", "503", "500", "InternalError", "ServiceUnavailable", "RequestTimeout"):
                 raise self._explain(ref, err, o.key) from None
         return f"transfer failed ({name}: {' '.join(str(err).split())[:200]})", ""
 
-    def _fetch_large(self, ref: DatasetRef, entry: CacheEntry, o: RemoteObject, pool: ThreadPoolExecutor,
+    def _fetch_large(self, ref: SourceRef, entry: CacheEntry, o: RemoteObject, pool: ThreadPoolExecutor,
                      results: "queue.Queue[tuple[RemoteObject, Path, BaseException | None]]") -> None:
         """Ranged GETs into partial/<id>.part; finished segments are journaled in .segments, so an
         interrupted object resumes at its first missing segment."""
@@ -504,7 +541,7 @@ class Stager:
         except (OSError, ValueError):
             return False
 
-    def _verify(self, ref: DatasetRef, o: RemoteObject, path: Path) -> tuple[str | None, str]:
+    def _verify(self, ref: SourceRef, o: RemoteObject, path: Path) -> tuple[str | None, str]:
         """(None, how) when `path` holds object `o`, else (the reason it does not, "")."""
         try:
             size = path.stat().st_size
@@ -537,13 +574,13 @@ class Stager:
             return None, "size-only"  # nothing else to compare with
         return f"MD5 {got_md5} != ETag {etag}: corrupt copy", ""
 
-    def _head(self, ref: DatasetRef, o: RemoteObject) -> dict[str, Any]:
+    def _head(self, ref: SourceRef, o: RemoteObject) -> dict[str, Any]:
         try:
             return dict(self.client.head_object(Bucket=ref.bucket, Key=ref.full_key(o.key), ChecksumMode="ENABLED"))
         except Exception as exc:  # noqa: BLE001
             raise self._explain(ref, exc, o.key) from None
 
-    def _part_size(self, ref: DatasetRef, o: RemoteObject) -> int | None:
+    def _part_size(self, ref: SourceRef, o: RemoteObject) -> int | None:
         if o.key not in self._part_sizes:
             try:
                 head = self.client.head_object(Bucket=ref.bucket, Key=ref.full_key(o.key), PartNumber=1)
@@ -553,8 +590,8 @@ class Stager:
         return self._part_sizes[o.key]
 
     # ---- data.yaml ----------------------------------------------------------------------------
-    def _write_data_yaml(self, ref: DatasetRef, entry: CacheEntry) -> None:
-        src = entry.local_path(ref.yaml_name)
+    def _write_data_yaml(self, ref: SourceRef, entry: CacheEntry) -> None:
+        src = entry.local_path(ref.main_key)
         where = f"dataset {ref.uri}"
         try:
             raw = yaml.safe_load(src.read_text())
@@ -581,11 +618,11 @@ class Stager:
             self._last_progress = now
             self._progress_cb(progress)
 
-    def _explain(self, ref: DatasetRef, exc: BaseException, key: str | None = None) -> UserError:
+    def _explain(self, ref: SourceRef, exc: BaseException, key: str | None = None) -> UserError:
         """A one-line error (UnavailableError for network trouble)."""
         import botocore.exceptions as bce
 
-        where = f"dataset {ref.uri}" + (f": {key}" if key else "")
+        where = f"{ref.kind} {ref.uri}" + (f": {key}" if key else "")
         if isinstance(exc, UserError):
             return exc
         if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
@@ -670,15 +707,37 @@ def cache_from_env(environ: dict[str, str] | None = None) -> DatasetCache:
 
 
 def resolve_data_yaml(uri: str, options: dict[str, Any] | None = None, wait_s: float | None = None) -> Path:
-    """The local data.yaml of `uri`, holding a shared lock on it until the process exits.
+    """The local data.yaml of dataset `uri` (see `resolve_staged`)."""
+    return resolve_staged(uri, options, wait_s)
+
+
+def resolve_staged(uri: str, options: dict[str, Any] | None = None, wait_s: float | None = None,
+                   option: str | None = None) -> Path:
+    """The local file of `uri` (a dataset's rewritten data.yaml, or a weights file), holding a
+    shared lock on its copy until the process exits.
 
     Under an agent (`ELASTICYOLO_DATA_STAGER=agent`) this waits for the agent's staging (up to
     `wait_s`, default `$ELASTICYOLO_DATA_WAIT_S` or an hour) and never contacts S3; otherwise it
-    stages the dataset itself first (S3 options: `options`, else `ELASTICYOLO_S3_*`)."""
+    stages `uri` itself first (S3 options: `options`, else `ELASTICYOLO_S3_*`). `option`: the
+    spec option that named `uri` (`model`), which errors then name (`model=s3://...: why`)."""
+    try:
+        return _resolve_staged(uri, options, wait_s)
+    except UserError as exc:
+        if option is None:
+            raise
+        message, named = str(exc), f"{option}={uri}"
+        for kind in ("weights", "dataset"):  # "weights s3://...: why" -> "model=s3://...: why"
+            if message.startswith(f"{kind} {uri}"):
+                message = named + message[len(f"{kind} {uri}"):]
+        raise type(exc)(message if message.startswith(named) else f"{named}: {message}") from None
+
+
+def _resolve_staged(uri: str, options: dict[str, Any] | None, wait_s: float | None) -> Path:
     from elasticyolo.s3options import s3_options
 
     if uri in _held:
         return _held[uri][1]
+    ref = SourceRef.parse(uri)
     cache = cache_from_env()
     entry = cache.entry(uri)
     under_agent = os.environ.get(STAGER_ENV) == "agent"
@@ -690,21 +749,22 @@ def resolve_data_yaml(uri: str, options: dict[str, Any] | None = None, wait_s: f
         left = max(0.0, deadline - time.monotonic())
         if not lock.acquire(exclusive=False, timeout=left):
             lock.close()
-            raise StagingError(f"dataset {uri}: not staged on this node after {wait_s:g}s")
+            raise StagingError(f"{ref.kind} {uri}: not staged on this node after {wait_s:g}s")
         meta = entry.read_meta()
-        if meta.get("state") == "ready" and meta.get("uri") == uri and entry.data_yaml.is_file():
-            _held[uri] = (lock, entry.data_yaml)
-            return entry.data_yaml
+        local = ref.local(entry)
+        if meta.get("state") == "ready" and meta.get("uri") == uri and local.is_file():
+            _held[uri] = (lock, local)
+            return local
         lock.release()
         if not under_agent:
             Stager(cache, options if options is not None else s3_options(uri)).stage(uri)
             continue
         if not logged:
-            _log().info("waiting for the agent to stage the dataset", dataset=uri, state=meta.get("state"))
+            _log().info(f"waiting for the agent to stage the {ref.kind}", source=uri, state=meta.get("state"))
             logged = True
         if time.monotonic() >= deadline:
             lock.close()
-            raise StagingError(f"dataset {uri}: not staged on this node after {wait_s:g}s "
+            raise StagingError(f"{ref.kind} {uri}: not staged on this node after {wait_s:g}s "
                                f"(last state: {meta.get('state')}: {meta.get('error') or '-'})")
         time.sleep(0.5)
 
@@ -716,11 +776,28 @@ def release(uri: str) -> None:
         held[0].close()
 
 
+def spec_inputs(spec: Any) -> list[tuple[str, str]]:
+    """(option, uri) of the spec's `s3://` inputs a node stages, in order: the dataset, then the
+    weights (`model=`, `pretrained=`)."""
+    out: list[tuple[str, str]] = []
+    for option in ("data", "model", "pretrained"):
+        uri = getattr(spec, option, None)
+        if uri and is_remote(str(uri)) and str(uri) not in [u for _, u in out]:
+            out.append((option, str(uri)))
+    return out
+
+
+def spec_sources(spec: Any) -> list[str]:
+    """The spec's `s3://` inputs a node stages (`spec_inputs`), as URIs."""
+    return [uri for _, uri in spec_inputs(spec)]
+
+
 def resolve_for_spec(spec: Any) -> Path | None:
-    """Stage (or wait for) a spec's s3:// dataset with the spec's own S3 options; None for a
-    local data.yaml. Later `load_data_yaml(spec.data)` calls reuse the result."""
+    """Stage (or wait for) a spec's `s3://` inputs with the spec's own S3 options: the dataset and
+    the weights. Returns the local data.yaml, None for a local one. Later `load_data_yaml(spec.data)`
+    and `local_weights` calls reuse the result."""
     from elasticyolo.s3options import s3_options
 
-    if not is_remote(spec.data):
-        return None
-    return resolve_data_yaml(spec.data, s3_options(spec.data, spec))
+    for option, uri in spec_inputs(spec):
+        resolve_staged(uri, s3_options(uri, spec), option=None if option == "data" else option)
+    return resolve_staged(spec.data) if is_remote(spec.data) else None

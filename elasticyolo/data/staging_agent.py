@@ -1,13 +1,14 @@
-"""The agent side of dataset staging: a node offers its slots to a job only once the job's
-`s3://` dataset is staged on it.
+"""The agent side of staging: a node offers its slots to a job only once the job's `s3://`
+inputs are staged on it: its dataset, and its weights (`model=`, `pretrained=`).
 
-`DataStagingHook` (an `AgentPlugin`) stages the active job's dataset on a thread of its
-own and publishes progress in the node record (`data`: state staging/ready/failed, files, bytes,
-seconds; `elasticyolo status` shows it). The engines ask `data_ready(record)` before they use a
-node's slots (Horovod discovery, the torch launcher), so staging time is part of a node's join
-time and no worker waits on a half-copied dataset. Workers never contact S3 for data: they wait
-for this staging (`resolve_data_yaml`) and hold a shared lock on the copy, which keeps the cache's
-eviction away from it; the agent holds one too while the job is active.
+`DataStagingHook` (an `AgentPlugin`) stages the active job's inputs, one after the other, on a
+thread of its own and publishes progress in the node record (`data`: state staging/ready/failed,
+files, bytes, seconds, summed over the inputs; `elasticyolo status` shows it). The engines ask
+`data_ready(record)` before they use a node's slots (Horovod discovery, the torch launcher), so
+staging time is part of a node's join time and no worker waits on a half-copied input. Workers
+never contact S3 for them: they wait for this staging (`resolve_staged`) and hold a shared lock
+on each copy, which keeps the cache's eviction away from it; the agent holds one too while the job
+is active.
 
 A failed staging (S3 unreachable, a corrupt object, access denied) is retried with backoff
 (10 s doubling to 5 min) and resumes where it stopped; it never stops the agent.
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from elasticyolo.agent.plugin import AgentPlugin, NodeAPI
 from elasticyolo.agent.state import NodeState
-from elasticyolo.data.staging import STAGER_ENV, StageProgress, StageResult, Stager, StagingCancelled, is_remote
+from elasticyolo.data.staging import STAGER_ENV, StageProgress, StageResult, Stager, StagingCancelled, spec_sources
 from elasticyolo.data.staging_cache import DatasetCache, DatasetLock
 from elasticyolo.log import get_logger
 from elasticyolo.s3options import s3_options
@@ -47,7 +48,7 @@ class DataStagingHook(AgentPlugin):
         self.cfg = cfg
         self.cache = DatasetCache.from_settings(cfg.data_cache_dir, cfg.data_cache_max_gb)
         self.log = get_logger("elasticyolo.staging", node=cfg.node_id, job=cfg.job)
-        self._want: tuple[str, tuple[tuple[str, Any], ...]] | None = None  # (uri, S3 options) served now
+        self._want: tuple[tuple[str, ...], tuple[tuple[str, Any], ...]] | None = None  # (uris, S3 options) served now
         self._thread: threading.Thread | None = None
         self._cancel = threading.Event()
         self._progress: StageProgress | None = None
@@ -56,7 +57,7 @@ class DataStagingHook(AgentPlugin):
         self._failures = 0
         self._retry_at = 0.0
         self._started_at = 0.0
-        self._in_use: DatasetLock | None = None
+        self._in_use: list[DatasetLock] = []
         self._published: dict[str, Any] | None = None
         self._published_at = 0.0
         self._mutex = threading.Lock()
@@ -87,15 +88,21 @@ class DataStagingHook(AgentPlugin):
         self._release()
 
     # ---- reconciliation (agent loop thread) ------------------------------------------------
-    def _wanted(self, agent: NodeAPI) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
+    def _wanted(self, agent: NodeAPI) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]] | None:
         job, spec = agent.job, agent.job.spec
-        if not job.active or spec is None or not is_remote(spec.data):
+        uris = tuple(spec_sources(spec)) if job.active and spec is not None else ()
+        if not uris:
             return None
-        if agent.state in (NodeState.DRAINING, NodeState.LEFT, NodeState.FAILED):
+        if agent.state in (NodeState.LEFT, NodeState.FAILED):
             return None
-        return spec.data, tuple(sorted(s3_options(spec.data, spec).items()))
+        return uris, tuple(sorted(s3_options(uris[0], spec).items()))
 
     def _reconcile(self, agent: NodeAPI) -> None:
+        if agent.state == NodeState.DRAINING:
+            # Staging stopped (on_drain); the record stays as it is, so a node whose inputs are not
+            # staged is not offered to a world while it hands over.
+            self._publish(agent)
+            return
         want = self._wanted(agent)
         if want != self._want:
             self._switch(want)
@@ -104,7 +111,7 @@ class DataStagingHook(AgentPlugin):
             self._start(want)
         self._publish(agent)
 
-    def _switch(self, want: tuple[str, tuple[tuple[str, Any], ...]] | None) -> None:
+    def _switch(self, want: tuple[tuple[str, ...], tuple[tuple[str, Any], ...]] | None) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._cancel.set()
             self._thread.join(5)  # checks its cancel flag every 0.25 s; a straggler only stops
@@ -114,31 +121,35 @@ class DataStagingHook(AgentPlugin):
         self._failures, self._retry_at = 0, 0.0
         self._cancel = threading.Event()
 
-    def _start(self, want: tuple[str, tuple[tuple[str, Any], ...]]) -> None:
-        uri, options = want
+    def _start(self, want: tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]) -> None:
+        uris, options = want
         self._cancel = threading.Event()
         self._started_at = time.time()
         self._error = None
-        self._thread = threading.Thread(target=self._run, args=(uri, dict(options), self._cancel),
+        self._thread = threading.Thread(target=self._run, args=(uris, dict(options), self._cancel),
                                         name="data-staging", daemon=True)
         self._thread.start()
 
-    def _run(self, uri: str, options: dict[str, Any], cancel: threading.Event) -> None:
+    def _run(self, uris: tuple[str, ...], options: dict[str, Any], cancel: threading.Event) -> None:
         def progress(p: StageProgress) -> None:
             with self._mutex:
                 self._progress = p
 
         stager = Stager(self.cache, options, max_concurrency=self.cfg.data_max_concurrency, progress=progress,
                         cancel=cancel, log=self.log)
+        locks: list[DatasetLock] = []
         try:
-            result = stager.stage(uri)
-            lock = DatasetLock(self.cache.entry(uri))
-            lock.acquire(exclusive=False, cancelled=cancel.is_set)  # in use: not evictable
+            results = []
+            for uri in uris:
+                results.append(stager.stage(uri))
+                lock = DatasetLock(self.cache.entry(uri))
+                locks.append(lock)
+                lock.acquire(exclusive=False, cancelled=cancel.is_set)  # in use: not evictable
             with self._mutex:
                 if cancel.is_set():
-                    lock.close()
                     return
-                self._in_use, self._result, self._failures = lock, result, 0
+                self._in_use, self._result, self._failures = locks, combined(results), 0
+                locks = []
         except StagingCancelled:
             return
         except Exception as exc:  # noqa: BLE001 - retried with backoff; never kills the agent
@@ -149,23 +160,28 @@ class DataStagingHook(AgentPlugin):
                 delay = min(RETRY_S[0] * 2 ** (self._failures - 1), RETRY_S[1])
                 self._retry_at = time.monotonic() + delay
                 self._error = str(exc) if str(exc) else type(exc).__name__
-            self.log.error("dataset staging failed; will retry", dataset=uri, error=self._error, retry_in_s=delay)
+            self.log.error("staging failed; will retry", sources=list(uris), error=self._error, retry_in_s=delay)
+        finally:
+            for lock in locks:  # not handed over: staging failed or was cancelled
+                lock.close()
 
     def _release(self) -> None:
         with self._mutex:
-            lock, self._in_use = self._in_use, None
-        if lock is not None:
+            locks, self._in_use = self._in_use, []
+        for lock in locks:
             lock.close()  # closing the descriptor drops the shared lock
 
     # ---- the node record --------------------------------------------------------------------
     def record(self) -> dict[str, Any] | None:
-        """What `status` shows for this node's dataset (None: no s3:// dataset)."""
+        """What `status` shows for this node's `s3://` inputs (None: the job has none)."""
         if self._want is None:
             return None
         with self._mutex:
             p, result, error = self._progress, self._result, self._error
             retry_in = max(0.0, self._retry_at - time.monotonic())
-        rec: dict[str, Any] = {"uri": self._want[0], "started_at": round(self._started_at, 3)}
+        uris = self._want[0]
+        rec: dict[str, Any] = {"uri": uris[0], **({"uris": list(uris)} if len(uris) > 1 else {}),
+                               "started_at": round(self._started_at, 3)}
         if result is not None:
             rec.update(state="ready", **result.as_record())
         elif error is not None and not (self._thread is not None and self._thread.is_alive()):
@@ -189,5 +205,20 @@ class DataStagingHook(AgentPlugin):
             agent.set_record_field(RECORD_FIELD, rec)
             self._published_at = time.monotonic()
             if state_changed and rec["state"] == "ready":
-                self.log.info("dataset ready; offering this node's slots", dataset=rec["uri"],
+                self.log.info("inputs staged; offering this node's slots", sources=rec.get("uris") or [rec["uri"]],
                               seconds=rec.get("seconds"), reused=rec.get("reused"))
+
+
+def combined(results: list[StageResult]) -> StageResult:
+    """One record for a job's staged inputs: counts and seconds summed, reused when all were."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    verified: dict[str, int] = {}
+    for r in results:
+        for k, v in r.verified.items():
+            verified[k] = verified.get(k, 0) + v
+    return StageResult(first.uri, first.path, sum(r.files for r in results), sum(r.bytes for r in results),
+                       sum(r.downloaded_files for r in results), sum(r.downloaded_bytes for r in results),
+                       sum(r.seconds for r in results), all(r.reused for r in results),
+                       [e for r in results for e in r.evicted], verified, any(r.offline for r in results))

@@ -1,9 +1,10 @@
-"""The node-local dataset cache that S3 datasets are staged into (see staging.py).
+"""The node-local cache that S3 datasets and weights files are staged into (see staging.py).
 
 Layout under the cache root (`$ELASTICYOLO_DATA_CACHE`, else `$CACHE_DIRECTORY/datasets` under
 systemd, else `$XDG_CACHE_HOME/elasticyolo/datasets`):
 
-    <root>/<slug>-<hash>/files/...        a mirror of s3://bucket/prefix/ (verified objects only)
+    <root>/<slug>-<hash>/files/...        a mirror of s3://bucket/prefix/ (verified objects only);
+                                          for weights, the one file
     <root>/<slug>-<hash>/data.yaml        the dataset's data.yaml with `path:` set to files/
     <root>/<slug>-<hash>/journal.jsonl    one line per verified object: key, size, etag (resume)
     <root>/<slug>-<hash>/partial/         large objects being fetched in segments (resume)
@@ -194,8 +195,11 @@ class DatasetCache:
         return cls(root or None, int(max_gb * GiB) if max_gb else None)
 
     def entry(self, uri: str, endpoint: str | None = None) -> CacheEntry:
-        """The entry of a dataset: one per (S3 endpoint, bucket/prefix)."""
-        base = uri.removeprefix("s3://").rsplit("/", 1)[0]
+        """The entry of a dataset: one per (S3 endpoint, bucket/prefix) of its data.yaml; of a
+        weights file (any other object): one per (S3 endpoint, bucket/key)."""
+        base = uri.removeprefix("s3://")
+        if base.endswith((".yaml", ".yml")):
+            base = base.rsplit("/", 1)[0]
         digest = hashlib.sha256(f"{endpoint or ''}|{base}".encode()).hexdigest()[:12]
         slug = _SLUG.sub("-", base).strip("-.")[-60:] or "dataset"
         return CacheEntry(self.root, f"{slug}-{digest}")

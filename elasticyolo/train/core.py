@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from elasticyolo.data.yaml_check import load_data_yaml
-from elasticyolo.models import require_model
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.loader import BatchLoader, LoaderStats, Request, loader_workers
 from elasticyolo.train.loader_worker import CLOSED_MOSAIC
@@ -36,11 +35,12 @@ from elasticyolo.train.graphs import GraphedForward, wants_cuda_graphs
 from elasticyolo.train.layout import apply_layout, wants_channels_last
 from elasticyolo.train.policy import Scaling, resize_ramp, scaling_for
 from elasticyolo.train.sampler import ElasticSampler
+from elasticyolo.train.freeze import frozen_norm_names, frozen_prefixes, set_train_mode
+from elasticyolo.train.weights import build_model
 
 from ultralytics.cfg import get_cfg  # noqa: E402
 from ultralytics.data import build_yolo_dataset  # noqa: E402
 from ultralytics.engine.trainer import BaseTrainer  # noqa: E402
-from ultralytics.nn.tasks import DetectionModel, load_checkpoint  # noqa: E402
 from ultralytics.utils import LOGGER  # noqa: E402
 from ultralytics.utils.torch_utils import ModelEMA, one_cycle  # noqa: E402
 
@@ -48,8 +48,6 @@ disable_ultralytics_network()
 
 GradAllreduce = Callable[[list[torch.Tensor]], None]
 """Averages the given gradient tensors across the world, in place."""
-
-ALWAYS_FROZEN = (".dfl",)  # Ultralytics' trainer: `always_freeze_names`
 
 
 def no_allreduce(_: list[torch.Tensor]) -> None:
@@ -62,27 +60,6 @@ def pick_device(spec: TrainSpec, local_rank: int) -> torch.device:
     if spec.device.isdigit():
         return torch.device(f"cuda:{spec.device}")
     return torch.device(spec.device)
-
-
-def build_model(spec: TrainSpec, nc: int, names: dict[int, str]) -> DetectionModel:
-    """A `DetectionModel` from a YAML architecture (random init) or a local `.pt`."""
-    name = require_model(spec.model)
-    if name.endswith(".pt"):
-        model, _ = load_checkpoint(name)
-        model = model.float()
-        if getattr(model, "nc", nc) != nc:
-            # Same architecture, new head: Ultralytics' transfer path.
-            fresh = DetectionModel(cfg=model.yaml, nc=nc, ch=3, verbose=False)
-            fresh.load(model)
-            model = fresh
-    else:
-        model = DetectionModel(cfg=name, nc=nc, ch=3, verbose=False)
-    model.names = names
-    model.nc = nc
-    for name, p in model.named_parameters():
-        # As Ultralytics' trainer: the DFL's fixed projection (0..reg_max-1) is never trained.
-        p.requires_grad_(not any(frozen in name for frozen in ALWAYS_FROZEN))
-    return model
 
 
 @dataclass
@@ -186,6 +163,8 @@ class TrainCore:
         overrides.update(data=self.data["yaml_file"], model=spec.model, plots=False, val=spec.val, verbose=False)
         self.hyp = get_cfg(overrides=overrides)
         self.model = build_model(spec, self.data["nc"], self.data["names"]).to(self.device)
+        # Frozen layers (freeze.py): no gradient, and their BatchNorm statistics stay.
+        self.frozen_norms = frozen_norm_names(self.model, frozen_prefixes(spec.freeze, len(self.model.model)))
         # Before the EMA copy and the optimizer, which then follow the layout (layout.py).
         self.channels_last = wants_channels_last(self.device, spec.channels_last)
         if self.channels_last:
@@ -330,6 +309,11 @@ class TrainCore:
         batch["img"] = batch["img"].float().div_(255)
         return batch
 
+    def train_mode(self, model: nn.Module | None = None) -> None:
+        """Put `model` (default: the trained one) in training mode, its frozen layers' BatchNorm
+        modules in eval mode, as Ultralytics' trainer does every epoch."""
+        set_train_mode(model or self.model, self.frozen_norms)
+
     def close(self) -> None:
         """Stop the loader's processes (they also stop when this process exits)."""
         self.loader.close()
@@ -343,7 +327,7 @@ class TrainCore:
         all-reduce: a step whose all-reduce completed anywhere has been reported by every rank."""
         t0 = time.perf_counter()
         if not self.model.training:  # train() walks every module: 2 ms a step for yolov8n
-            self.model.train()
+            self.train_mode()
         _, acc = self.apply_schedule()
         loss_sum = torch.zeros((), device=self.device)  # stays on the device: no sync per micro-batch
         images, micro = 0, 0
@@ -414,7 +398,7 @@ class TrainCore:
             "cls": torch.zeros(n, 1, device=self.device),
             "bboxes": torch.tensor([[0.5, 0.5, 0.25, 0.25]], device=self.device).repeat(n, 1),
         }
-        self.model.train()
+        self.train_mode()
         with torch.autocast(self.device.type, enabled=self.amp):
             loss, _ = self.model.loss(batch, self.forward(batch["img"]))  # captures the CUDA graphs
         loss.sum().backward()
@@ -487,7 +471,8 @@ class TrainCore:
                 for k, v in _loss_dict(model.loss(batch, preds)[1]).items():
                     loss_sums[k] = loss_sums.get(k, 0.0) + float(v)
                 validator.update_metrics(validator.postprocess(preds), batch)
-        model.train(was_training)
+        if was_training:
+            self.train_mode(model)
         n_batches = len(mine)
         if gather is not None and world > 1:
             merged: dict[str, list[Any]] = {k: [] for k in validator.metrics.stats}
