@@ -15,8 +15,8 @@ pip runs as on a cloud VM: the package index only (this machine's pip settings, 
 mirror, are left out), without a cache. Printed per case: install seconds, the venv's bytes and
 what pip downloaded, where torch came from, whether anything compiled (pip's output; bootstrap
 installs with --only-binary=:all:, so a package without a wheel fails instead of compiling), and
-the test packages installed (none is the target). For comparison, the developer's venv this runs from (`make setup`: pinned torch, the
-test tools, Horovod built from source), which the node install used to be.
+the test packages installed (none is the target). For comparison, the developer's venv this runs
+from (`make setup`: pinned torch, the test tools, Horovod built from source).
 
     .venv/bin/python bench/node_install.py [--case image|download|both] [--work DIR] [--keep]
                                            [--image-torch 'torch==2.13.0 torchvision==0.28.0']
