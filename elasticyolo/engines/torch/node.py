@@ -101,9 +101,18 @@ class TorchNode(EngineNode):
         self._retry_at = 0.0
         # torch restarts failing workers forever: the job fails when they crash in a loop everywhere.
         self.crash_loop = CrashLoopWatch("torch")
-        # The workers torch starts (and their warm pool) fail in the launcher's directory.
-        self.errors = WorkerErrors(agent.client, agent.keys, agent.cfg.node_id, log, observe=self.crash_loop.observe)
+        self._errors: WorkerErrors | None = None
         self._work: tuple[Path, int] | None = None  # (directory, generation) of the newest launcher
+
+    @property
+    def errors(self) -> WorkerErrors:
+        """The workers torch starts (and their warm pool) fail in the launcher's directory; their
+        errors are published from there (made on first use: the agent's etcd client)."""
+        if self._errors is None:
+            agent = self.agent
+            self._errors = WorkerErrors(agent.client, agent.keys, agent.cfg.node_id, log,
+                                        observe=self.crash_loop.observe)
+        return self._errors
 
     # ---- plug-in callbacks ------------------------------------------------------------------
     def on_job_change(self, agent: NodeAPI, job: "JobView") -> None:
