@@ -21,7 +21,7 @@ from elasticyolo.agent.billing import BillingLedger
 from elasticyolo.agent.dead_nodes import VerdictPublisher
 from elasticyolo.agent.job import JobView
 from elasticyolo.agent.metrics import AgentMetrics
-from elasticyolo.agent.plugin import AgentPlugin
+from elasticyolo.agent.plugin import LEASE_LAPSED, AgentPlugin
 from elasticyolo.agent.sd_notify import SystemdNotifier
 from elasticyolo.agent.state import NodeState, Observation, Transition, decide, reregisters_in_place
 from elasticyolo.cluster.election import LeaderElection
@@ -39,9 +39,6 @@ from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 
 EVENTS_KEPT = 1000
-# The reason plug-ins get (`on_lose_leadership`) when leadership went with a lapsed lease: the node
-# may take it back (cluster/election.py), so an engine may keep its coordinator meanwhile.
-LEASE_LAPSED = "lease lapsed"
 
 
 def node_price(cfg: AgentConfig) -> NodePrice:

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from elasticyolo.config import AgentConfig
 
 
+# The reason plug-ins get (`on_lose_leadership`) when leadership went with a lapsed lease: the node
+# may take it back (cluster/election.py), so an engine may keep its coordinator meanwhile.
+LEASE_LAPSED = "lease lapsed"
+
+
 class DrainInfo(Protocol):
     """The drain in progress (meaningful while DRAINING)."""
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elasticyolo.agent.plugin import NodeAPI
+from elasticyolo.agent.plugin import LEASE_LAPSED, NodeAPI
 from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.etcd import EtcdError
 from elasticyolo.engines.base import DrainMode, DrainSituation
@@ -86,8 +86,6 @@ class HorovodNode(EngineNode):
             self._manage_driver(agent, active and serving and agent.is_leader)
 
     def on_lose_leadership(self, agent: NodeAPI, reason: str) -> None:
-        from elasticyolo.agent.daemon import LEASE_LAPSED
-
         if reason == LEASE_LAPSED and self.runner is not None and self.runner.alive():
             # The lead may come back with the re-registered lease (the followers wait for that,
             # cluster/election.py): the driver keeps the running world meanwhile. Its writes are
