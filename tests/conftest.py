@@ -44,6 +44,14 @@ def s3_server() -> Iterator[S3Server]:
 
 
 @pytest.fixture
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The session's S3 server, with boto3's endpoint and credentials in this test's environment."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return s3_server
+
+
+@pytest.fixture
 def job_name(request: pytest.FixtureRequest) -> str:
     """A job name unique to the test, so tests can share one etcd."""
     return "t-" + request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40].lower()

@@ -36,13 +36,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    return s3_server
-
-
-@pytest.fixture
 def bucket(s3: S3Server, request: pytest.FixtureRequest) -> str:
     name = "stage-" + request.node.name.replace("_", "-")[:40].lower().strip("-")
     boto3.client("s3").create_bucket(Bucket=name)

@@ -77,13 +77,6 @@ def weights(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    return s3_server
-
-
-@pytest.fixture
 def bucket(s3: S3Server, request: pytest.FixtureRequest) -> str:
     name = "ft-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[-40:].strip("-")
     boto3.client("s3").create_bucket(Bucket=name)

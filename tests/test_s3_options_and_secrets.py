@@ -42,13 +42,6 @@ def test_spec_and_agent_settings_resolve_to_store_options(monkeypatch: pytest.Mo
                             "ELASTICYOLO_S3_REGION": "us-east-2"}
 
 
-@pytest.fixture
-def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    return s3_server
-
-
 def test_every_put_carries_sse_multipart_included(s3: S3Server) -> None:
     client = boto3.client("s3")
     client.create_bucket(Bucket="sse-every-put")
