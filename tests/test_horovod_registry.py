@@ -41,6 +41,9 @@ class Driver:
     def forget_slots(self, slots: set[tuple[str, int]]) -> None:
         self.forgotten.append(set(slots))
 
+    def discover_now(self) -> None:
+        pass
+
     def resume(self) -> None:
         assert self.registry is not None
         self.resumed.append(set(self.registry.get_recorded_slots()))

@@ -9,6 +9,7 @@ real torch elastic and YOLO workers on generated data:
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Iterator
@@ -63,7 +64,9 @@ def test_torch_job_fails_on_bad(cluster: AgentCluster, dataset: Path, tmp_path: 
     status = c.status()
     assert status["state"] == "failed", status
     reason = str(status.get("reason") or "")
-    assert reason.startswith(f"every worker crashed {ALL_CRASH_LIMIT} times in a row before the first step: "), reason
+    # Both nodes' records may reach the judge in one poll, after a streak beyond the limit.
+    crashed = re.match(r"every worker crashed (\d+) times in a row before the first step: ", reason)
+    assert crashed and int(crashed.group(1)) >= ALL_CRASH_LIMIT, reason
     assert (f"{missing}: data.yaml not found" if broken == "data" else "nosuch.yaml") in reason, reason
     crashes = {n: rec.get(RECORD_FIELD) or {} for n, rec in c.nodes().items()}
     print(f"torch job with a missing {broken}: submitted -> failed in {took:.1f} s; {reason}; crashes {crashes}")

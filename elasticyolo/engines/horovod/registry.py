@@ -92,6 +92,10 @@ class GuardedWorkerRegistry(WorkerStateRegistry):
         # that stays (not blacklisted) is started again by making its slot new.
         failed = {slot for slot, state in states.items() if state == FAILURE}
         self._driver.forget_slots(failed)
+        # The hosts as discovery sees them now: a node found dead may have been counted failed
+        # here before the liveness listener's own discovery round ran, and a new world assigned
+        # to it would wait for it in Gloo's rendezvous until the timeout.
+        self._driver.discover_now()
         try:
             self._reset_count += 1
             self._driver.resume()
