@@ -150,8 +150,9 @@ def main() -> int:
     ap.add_argument("--start-s", type=float, default=600.0, help="how long a world may take to form")
     ap.add_argument("--no-hog", action="store_true", help="without stress-ng beside the cluster")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="keep the clusters' files (logs, traces) in this folder")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="elasticyolo-churn-"))
+    root = args.keep or Path(tempfile.mkdtemp(prefix="elasticyolo-churn-"))
     hog = None if args.no_hog else subprocess.Popen(["stress-ng", "--cpu", "2", "--quiet"],
                                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = []
@@ -162,7 +163,8 @@ def main() -> int:
         if hog is not None:
             hog.terminate()
             hog.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
     cols = ("engine", "end_state", "training_after_last_change", "changes", "lease_lapses",
             "workers_killed_by_lapse", "hosts_blacklisted", "reforms", "finished_epochs", "duplicates", "skipped")
     print("\n" + " | ".join(cols))

@@ -129,3 +129,35 @@ def test_a_replay_whose_job_dies_reports_it(tmp_path: Path) -> None:
     got = json.loads(out.read_text())
     assert got["failed"] is True and "nosuch.yaml" in got["reason"]
     assert got["systems"]["elasticyolo"]["goodput_vs_ideal"] == 0.0
+
+
+@needs_trace
+def test_a_sweep_without_enough_changes_is_one_line_error(tmp_path: Path) -> None:
+    r = subprocess.run([ELASTICYOLO, "chaos", "sweep", "--trace", str(TRACE), "--nodes", "4", "--compress", "60",
+                        "--min-changes", "50", "--json", str(tmp_path / "x.json")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--min-changes 50: no 1 h window" in r.stderr and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_sweep_replays_every_window_with_enough_changes(tmp_path: Path) -> None:
+    """Two windows of a small trace (a kill in the first, a join in the second, a quiet third the
+    rule leaves out), on one cluster: goodput per window, the worst and the median, no sample
+    trained twice or skipped."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,2\n90000,1\n180000,1\n270000,2\n360000,2\n540000,2\n")
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([ELASTICYOLO, "chaos", "sweep", "--trace", str(trace), "--nodes", "2", "--compress", "10",
+                        "--hours", "0.05", "--min-changes", "1", "--calibrate-s", "2", "--train-images", "32",
+                        "--checkpoint-s", "60", "--cpus-per-node", "0", "--engine", "torch", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert [w["start_hour"] for w in got["windows"]] == [0.0, 0.05]
+    assert [w["changes"] for w in got["windows"]] == [1, 1]
+    assert all(0 < w["goodput_vs_ideal"] for w in got["windows"]), got["windows"]
+    assert got["worst_goodput_vs_ideal"] == min(w["goodput_vs_ideal"] for w in got["windows"])
+    assert got["duplicates"] == 0 and got["skipped"] == 0
+    assert "worst" in r.stdout and "median" in r.stdout

@@ -9,6 +9,7 @@ import pytest
 from elasticyolo.chaos.measure import committed_records, coverage_faults, executions, ideal_samples, measure, pool
 from elasticyolo.chaos.projection import EventCost, elastic_goodput, project, restart_goodput
 from elasticyolo.chaos.schedule import plan_checkpoint_restart, plan_elastic, scale_count, timeline
+from elasticyolo.chaos.sweep import sweep_windows
 from elasticyolo.chaos.trace import TraceError, check_window, load_trace, parse_trace
 from trace_data import REAL_TRACE
 
@@ -133,6 +134,18 @@ def test_real_trace_windows() -> None:
     assert tr.max_count == 32 and round(tr.duration_s / 3600, 1) == 11.4
     assert timeline(tr, check_window(tr, 5.0, 0.5), 4, 60).changes == ()  # the quiet half hour
     assert len(timeline(tr, check_window(tr, 4.0, 1.0), 4, 60).changes) >= 4
+
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="the real trace is missing")
+def test_a_sweep_takes_every_whole_hour_window_with_enough_changes() -> None:
+    tr = load_trace(REAL)
+    starts = sweep_windows(tr, 4, 60, 1.0, 3)
+    assert starts == [h for h in range(11) if len(timeline(tr, check_window(tr, h, 1.0), 4, 60).changes) >= 3]
+    assert len(starts) >= 6 and all(float(h).is_integer() for h in starts)
+    assert sweep_windows(tr, 4, 60, 1.0, 0) == list(range(11))  # the trace's last 0.4 h makes no whole window
+    with pytest.raises(TraceError, match="--hours 0"):
+        sweep_windows(tr, 4, 60, 0.0, 3)
 
 
 # ---- measurement ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from elasticyolo.chaos.measure import measure, pool, stretch_rates
 from elasticyolo.chaos.projection import EventCost, project
@@ -157,43 +157,8 @@ def measured_costs(fig: Any, kinds: list[str], rates: dict[int, float], fraction
     return out
 
 
-def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.AbstractContextManager[Any]:
-    """Each simulated node's accelerator, a CPU quota for its training, beside its host (testing/
-    cpu_slices.py): without them, the nodes share the host's cores, and neither the ideal nor a
-    join's cost is what separate machines would show."""
-    from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node
-
-    if o.cpus_per_node == 0:
-        say("nodes share the host's CPUs (--cpus-per-node 0)")
-        return contextlib.nullcontext()
-    if cgroup_root() is None:  # (an explicit quota was checked by prepare())
-        say("no writable cgroup CPU controller here: the nodes share the host's CPUs")
-        return contextlib.nullcontext()
-    cpus = o.cpus_per_node or default_cpus_per_node(o.nodes)
-    say(f"each node trains on an accelerator of {cpus:.3g} CPUs (a CFS quota of its own); "
-        "its agent, standby and uploader run on its host beside it")
-    return CpuSlices(cpus, nodes=o.nodes)
-
-
-def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[str] | None = None) -> dict[str, Any]:
-    prep = prepare(o)
-    tl = prep.timeline
-    say(f"trace {o.trace}: window hours {o.start_hour:g}-{o.start_hour + o.hours:g}, {o.nodes} nodes "
-        f"(count x {o.nodes}/{prep.trace.max_count}), compressed {o.compress:g}x -> {tl.duration_s:.0f}s, "
-        f"{len(tl.changes)} changes, initial world {tl.initial}")
-    for t, node, noticed in prep.elastic.victims():
-        say(f"  victim (seed {o.seed}): {node} at t={t:.1f}s " + (f"after a {prep.notice_s:g}s notice" if noticed
-                                                                   else "by SIGKILL, no notice"))
-    # Heavy imports only now (the CLI stays quick for bad input).
-    import boto3
-
-    from elasticyolo.chaos.runner import SHARED_STEPS, JobFailed, ReplayEnv, run_checkpoint_restart, run_elastic
-    from elasticyolo.data.synth import SynthSpec, write_dataset
-    from elasticyolo.testing.servers import EtcdCluster, S3Server
-
-    root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-")).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=VAL_IMAGES, imgsz=o.imgsz, classes=2))
+def job_spec(o: ReplayOptions, data: Path) -> list[str]:
+    """The replayed job's training options."""
     # Epoch-end checkpoints come on top of the periodic ones; few steps per epoch would hand the
     # baseline extra checkpoints, hence the default of 512 images.
     ckpt_live_s = o.checkpoint_s / o.compress
@@ -222,6 +187,71 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
             f"engine={o.engine}", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4",
             "save_period_steps=0", f"save_period_s={ckpt_live_s:g}", "keep_epochs=true", "checkpoint_nice=0",
             *o.spec]
+    return spec
+
+
+def final_world(tl: ReplayTimeline) -> int:
+    return tl.changes[-1].after if tl.changes else tl.initial
+
+
+@contextlib.contextmanager
+def replay_services(o: ReplayOptions, spec: list[str], root: Path, notice_s: float,
+                    say: Callable[[str], None]) -> Iterator[Any]:
+    """The cloud the replayed nodes run in: each node's accelerator slice, etcd, an S3 server with
+    the replay's bucket; yields the runner's `ReplayEnv`."""
+    import boto3
+
+    from elasticyolo.chaos.runner import ReplayEnv
+    from elasticyolo.testing.servers import EtcdCluster, S3Server
+
+    with contextlib.ExitStack() as stack:
+        slices = stack.enter_context(cpu_slices(o, say))
+        if slices:
+            slices.serve_here()  # etcd, the S3 server and the metadata servers: the cloud's
+        etcd = stack.enter_context(EtcdCluster(size=1))
+        s3 = stack.enter_context(S3Server())
+        bucket = "elasticyolo-replay"
+        boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, notice_s, say, slices=slices)
+
+
+def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.AbstractContextManager[Any]:
+    """Each simulated node's accelerator, a CPU quota for its training, beside its host (testing/
+    cpu_slices.py): without them, the nodes share the host's cores, and neither the ideal nor a
+    join's cost is what separate machines would show."""
+    from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node
+
+    if o.cpus_per_node == 0:
+        say("nodes share the host's CPUs (--cpus-per-node 0)")
+        return contextlib.nullcontext()
+    if cgroup_root() is None:  # (an explicit quota was checked by prepare())
+        say("no writable cgroup CPU controller here: the nodes share the host's CPUs")
+        return contextlib.nullcontext()
+    cpus = o.cpus_per_node or default_cpus_per_node(o.nodes)
+    say(f"each node trains on an accelerator of {cpus:.3g} CPUs (a CFS quota of its own); "
+        "its agent, standby and uploader run on its host beside it")
+    return CpuSlices(cpus, nodes=o.nodes)
+
+
+def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[str] | None = None) -> dict[str, Any]:
+    prep = prepare(o)
+    tl = prep.timeline
+    say(f"trace {o.trace}: window hours {o.start_hour:g}-{o.start_hour + o.hours:g}, {o.nodes} nodes "
+        f"(count x {o.nodes}/{prep.trace.max_count}), compressed {o.compress:g}x -> {tl.duration_s:.0f}s, "
+        f"{len(tl.changes)} changes, initial world {tl.initial}")
+    for t, node, noticed in prep.elastic.victims():
+        say(f"  victim (seed {o.seed}): {node} at t={t:.1f}s " + (f"after a {prep.notice_s:g}s notice" if noticed
+                                                                   else "by SIGKILL, no notice"))
+    # Heavy imports only now (the CLI stays quick for bad input).
+    from elasticyolo.chaos.runner import SHARED_STEPS, Episode, JobFailed, run_checkpoint_restart, run_elastic
+    from elasticyolo.data.synth import SynthSpec, write_dataset
+
+    root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    data = write_dataset(root / "data", SynthSpec(train=o.train_images, val=VAL_IMAGES, imgsz=o.imgsz, classes=2))
+    spec = job_spec(o, data)
+    ckpt_live_s = o.checkpoint_s / o.compress
     out: dict[str, Any] = {
         "command": "elasticyolo " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "trace": str(o.trace), "window": {"start_hour": o.start_hour, "hours": o.hours,
@@ -238,26 +268,17 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     t_begin = time.monotonic()
     failed = False
     try:
-        with contextlib.ExitStack() as stack:
-            slices = stack.enter_context(cpu_slices(o, say))
-            if slices:
-                slices.serve_here()  # etcd, the S3 server and the metadata servers: the cloud's
-            etcd = stack.enter_context(EtcdCluster(size=1))
-            s3 = stack.enter_context(S3Server())
-            bucket = "elasticyolo-replay"
-            boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id="testing",
-                         aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
-            out["cpus_per_node"] = round(slices.cpus, 3) if slices else None
-            env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, prep.notice_s, say, slices=slices)
+        with replay_services(o, spec, root, prep.notice_s, say) as env:
+            out["cpus_per_node"] = round(env.slices.cpus, 3) if env.slices else None
             say("elasticyolo: calibrating steady-state samples/s per node count, then replaying")
             try:
-                final = tl.changes[-1].after if tl.changes else tl.initial
-                er = run_elastic(env, prep.elastic, tl.duration_s, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s),
-                                 final, shared_steps=SHARED_STEPS if o.accuracy else 0, repeats=o.repeats)
+                episode = Episode(prep.elastic, tl.duration_s, final_world(tl))
+                er = run_elastic(env, [episode] * o.repeats, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s),
+                                 shared_steps=SHARED_STEPS if o.accuracy else 0)
                 runs = [er]
                 if prep.restart is not None:
                     say("checkpoint-restart: replaying the same window, stop-the-world at every change")
-                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final,
+                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final_world(tl),
                                                        repeats=o.repeats))
                 if o.accuracy:
                     from elasticyolo.chaos.accuracy import check_accuracy

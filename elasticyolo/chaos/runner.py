@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from elasticyolo.chaos.measure import steady_rate
 from elasticyolo.chaos.schedule import Action, Plan
@@ -265,16 +265,26 @@ def _repeat_plan(plan: Plan, live: list[str], repeat: int) -> Plan:
     return plan.renamed(lambda n: names.get(n, f"{n}r{repeat}"))
 
 
-def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, calibrate_s: float,
-                final_world: int = 0, shared_steps: int = 0, repeats: int = 1) -> SystemRun:
+@dataclass(frozen=True)
+class Episode:
+    """One window to play: its plan, its length (replay seconds) and the world size it ends at."""
+
+    plan: Plan
+    duration_s: float
+    final_world: int = 0
+
+
+def run_elastic(env: ReplayEnv, episodes: Sequence[Episode], max_nodes: int, calibrate_s: float,
+                shared_steps: int = 0) -> SystemRun:
     """elasticyolo: calibrate steady-state samples/s at 1..max_nodes nodes (one node joining at a
-    time, no failures), return to the window's initial world, replay the plan (`repeats` times,
-    back to the initial world before each), then calibrate again from max_nodes down to 1 (one
-    node leaving at a time). `shared_steps`: the first node trains at least that many steps alone
-    before the second joins (`SHARED_STEPS`)."""
+    time, no failures), replay each episode in turn (the same window repeated, or several windows
+    of a sweep), each from its own initial world size, then calibrate again from max_nodes down to
+    1 (one node leaving at a time). `shared_steps`: the first node trains at least that many steps
+    alone before the second joins (`SHARED_STEPS`)."""
     say = env.say
     job = ELASTIC_JOB
     nodes = _Nodes(env, job, env.workdir / "elasticyolo")
+    plan = episodes[0].plan
     extra = [f"x{i}" for i in range(1, max_nodes - len(plan.initial_nodes) + 1)]
     ramp = plan.initial_nodes + extra
     span_rates: dict[int, list[float]] = {}
@@ -288,8 +298,7 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
             span_rates[n] = _calibrate_at(nodes, n, calibrate_s, "before the replay")
             if n == 1 and shared_steps:
                 nodes.wait_steps(0.0, shared_steps, env.startup_timeout_s + shared_steps * 30.0)
-        _leave(nodes, extra)  # back to the window's initial size
-        n0 = len(plan.initial_nodes)
+        _leave(nodes, extra)  # back to the first window's initial size
 
         def apply(a: Action) -> None:
             if a.kind == "start":
@@ -303,16 +312,18 @@ def run_elastic(env: ReplayEnv, plan: Plan, duration_s: float, max_nodes: int, c
                     nodes.kill(n)
 
         windows = []
-        for r in range(repeats):
+        for r, episode in enumerate(episodes):
+            n0 = len(episode.plan.initial_nodes)
             live = nodes.live()
-            if r:  # back to the window's initial size: the newest nodes leave, or new ones join
+            if r:  # to the episode's initial size: the newest nodes leave, or new ones join
                 _leave(nodes, live[n0:])
                 fresh = [f"s{r}n{i}" for i in range(1, n0 - len(live) + 1)]
                 for n in fresh:
                     nodes.start(n)
                 live = live[:n0] + fresh
-            windows.append(_play_window(nodes, "elasticyolo", n0, r, repeats, _repeat_plan(plan, live, r).actions,
-                                        duration_s, apply, final_world, after=time.time()))
+            windows.append(_play_window(nodes, "elasticyolo", n0, r, len(episodes),
+                                        _repeat_plan(episode.plan, live, r).actions, episode.duration_s, apply,
+                                        episode.final_world, after=time.time()))
         # The calibration again, from max_nodes down to one node (one leaving at a time, with a
         # notice): the replay's minutes lie between the two.
         say("elasticyolo: calibrating again after the replay, from the largest world down")
