@@ -51,7 +51,7 @@ EOF
 # Horovod: a process set's Gloo device (the global set's too) takes the interface of its own, never
 # set, context and so binds to whatever the host name resolves to (127.0.1.1 on a stock Debian
 # node) instead of HOROVOD_GLOO_IFACE: multi-host collectives then fail with "connect refused".
-# It must use the global context's interface (found by tests/test_partition.py, nodes in netns).
+# It must use the global context's interface (tests/test_partition.py checks it, nodes in netns).
 "$PY" - "$src/horovod/common/gloo/gloo_context.cc" <<'EOF'
 import sys
 path = sys.argv[1]
