@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build a Horovod 0.28.1 wheel (PyTorch + Gloo; NCCL on a GPU VM) against the torch in $PY's venv.
-# The PyPI sdist does not build against torch 2.14 as is (see README "Horovod build"): we patch
+# The PyPI sdist does not build against torch 2.14 as is (see docs/install.md, "The Horovod build"): we patch
 # the C++ standard (top level 17 so gloo links, torch extension 20 for torch's headers) and, on a
 # CPU machine, force the "torch has CUDA" probe off. One fix to the bundled gloo and two to Horovod
 # (the process-set device, the background thread's initialization errors; below).

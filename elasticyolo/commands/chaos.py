@@ -9,7 +9,7 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    p = sub.add_parser("replay", help="replay a spot trace window (see README: Replaying a spot trace)")
+    p = sub.add_parser("replay", help="replay a spot trace window (see docs/chaos.md)")
     p.add_argument("--trace", type=Path, required=True, help="CSV of time_ms,node_count rows (no header)")
     p.add_argument("--nodes", type=int, required=True, help="K: local nodes the trace's maximum maps to")
     p.add_argument("--compress", type=float, required=True, help="F: time compression factor")
