@@ -6,9 +6,9 @@ and a host whose speed changes under them moves every live ratio.
 
     python bench/host_steadiness.py [--core 0] [--seconds 40] [--every-s 0.5]
 
-Measured on this project's 2-core VM (stop 26, idle): the loop took 8.8-17.5 ms (median 10.0),
-bimodal at ~9 and ~17 ms in stretches of 1-5 s; the convolution 8.4-18.6 ms (median 12.2); the
-hypervisor reported no steal time meanwhile.
+Measured on a 2-core x86-64 VM (idle): the loop took 8.8-17.5 ms (median 10.0), bimodal at ~9
+and ~17 ms in stretches of 1-5 s; the convolution 8.4-18.6 ms (median 12.2); the hypervisor
+reported no steal time meanwhile (docs/benchmarks.md).
 """
 
 from __future__ import annotations

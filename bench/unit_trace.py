@@ -11,7 +11,7 @@ devices opened.
 
     .venv/bin/python bench/unit_trace.py [--json OUT]
 
-CPU only here: CUDA/NCCL calls and /dev/nvidia* are not exercised (no GPU on this machine).
+On a machine without a GPU, CUDA/NCCL calls and /dev/nvidia* are not exercised.
 """
 
 from __future__ import annotations

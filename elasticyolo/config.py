@@ -25,7 +25,7 @@ DEFAULT_CONFIG_PATH = "/etc/elasticyolo/agent.yaml"
 
 
 def detect_slots() -> int:
-    """GPUs on this VM without importing torch (/dev/nvidiaN), else 1 (CPU: set `slots`)."""
+    """GPUs on the node's VM without importing torch (/dev/nvidiaN), else 1 (CPU: set `slots`)."""
     return max(1, len([p for p in glob.glob("/dev/nvidia[0-9]*") if p[len("/dev/nvidia"):].isdigit()]))
 
 
@@ -54,7 +54,7 @@ class AgentConfig(S3Settings):
     preemptible: bool = True
     instance_type: str | None = None
     zone: str | None = None
-    price_per_hour: float | None = Field(None, ge=0, description="USD per hour this VM costs (see elasticyolo/cost.py)")
+    price_per_hour: float | None = Field(None, ge=0, description="USD per hour the node's VM costs (see elasticyolo/cost.py)")
     on_demand_price_per_hour: float | None = Field(None, ge=0, description="USD per hour of the same VM on demand")
     price_table: str | None = Field(None, description="YAML instance_type: {spot: USD, on_demand: USD}")
 

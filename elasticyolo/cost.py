@@ -3,7 +3,7 @@ records `status` reads (node records, the progress record); no I/O but the price
 
 Where a node's price comes from (first that applies; the node record says which, `price_source`):
 1. `--price-per-hour` (agent flag, `price_per_hour` in agent.yaml, `ELASTICYOLO_PRICE_PER_HOUR`):
-   what this VM costs, as the operator knows it (e.g. the spot price it was bought at).
+   what the node's VM costs, as the operator knows it (e.g. the spot price it was bought at).
 2. The price table (`--price-table FILE`, YAML `instance_type: {spot: USD/h, on_demand: USD/h}`)
    for the node's instance type: the spot price for a preemptible node, else on-demand. The
    instance type is `--instance-type`, else what the cloud's metadata states when a spot provider

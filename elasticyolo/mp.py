@@ -10,8 +10,8 @@ either goes away.
 
 A worker forked from a zygote (engines/zygote.py) shares the zygote's fork server instead
 (`fork_shared_fork_server`): forked, not exec'd, from the zygote, which holds the imports
-already. torch elastic replaces every worker at every change; each new rank 0 used to start a
-server that imported torch again (about 3.5 CPU-s on the node's host, while a joiner started).
+already. torch elastic replaces every worker at every change; a server of each new rank 0's own would
+import torch again (about 3.5 CPU-s on the node's host, while a joiner starts).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build a Horovod 0.28.1 wheel (PyTorch + Gloo; NCCL on a GPU VM) against the torch in $PY's venv.
-# The PyPI sdist does not build against torch 2.14 as is (see README "Horovod build"): we patch
+# The PyPI sdist does not build against torch 2.14 as is (see docs/install.md, "The Horovod build"): we patch
 # the C++ standard (top level 17 so gloo links, torch extension 20 for torch's headers) and, on a
 # CPU machine, force the "torch has CUDA" probe off. One fix to the bundled gloo and two to Horovod
 # (the process-set device, the background thread's initialization errors; below).
@@ -51,7 +51,7 @@ EOF
 # Horovod: a process set's Gloo device (the global set's too) takes the interface of its own, never
 # set, context and so binds to whatever the host name resolves to (127.0.1.1 on a stock Debian
 # node) instead of HOROVOD_GLOO_IFACE: multi-host collectives then fail with "connect refused".
-# It must use the global context's interface (found by tests/test_partition.py, nodes in netns).
+# It must use the global context's interface (tests/test_partition.py checks it, nodes in netns).
 "$PY" - "$src/horovod/common/gloo/gloo_context.cc" <<'EOF'
 import sys
 path = sys.argv[1]

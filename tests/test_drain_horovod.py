@@ -1,4 +1,4 @@
-"""Spot notice -> drain, end to end (issue 6): real `elasticyolo agent` processes, real etcd, real
+"""Spot notice -> drain, end to end: real `elasticyolo agent` processes, real etcd, real
 Horovod workers training YOLO on generated data, and the local metadata server (127.0.0.1)
 speaking each cloud's API. Scenarios are schedules plus deadlines, never bare sleeps.
 

@@ -1,4 +1,4 @@
-"""Failures seen before the lease (issue 11): real etcd, real agents, real Horovod workers.
+"""Failures seen before the lease expires: real etcd, real agents, real Horovod workers.
 
 The agents run with a lease TTL of 10 s and the default heartbeat timeout (2 s), so every
 recovery below that completes while the lost node's record is still in etcd was decided by the

@@ -1,4 +1,4 @@
-"""Horovod Elastic driven by elasticyolo agents (issue 4): real etcd, real `elasticyolo agent`
+"""Horovod Elastic driven by elasticyolo agents: real etcd, real `elasticyolo agent`
 processes (distinct node ids on 127.0.0.1), real Horovod workers training a real YOLO model on
 generated data. Scenarios are schedules of kills/joins plus deadlines, never bare sleeps.
 

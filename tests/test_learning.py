@@ -92,8 +92,8 @@ def test_a_primed_optimizer_steps_exactly_as_a_fresh_one(name: str) -> None:
 
 
 def test_the_dfl_projection_is_frozen_as_in_ultralytics(tmp_path: Path) -> None:
-    """Ultralytics' trainer never trains `.dfl` (a fixed 0..reg_max-1 projection); trained here it
-    used to shrink by weight decay, 1.2 % in 165 steps, shrinking every predicted box."""
+    """Ultralytics' trainer never trains `.dfl` (a fixed 0..reg_max-1 projection); trained, it
+    would shrink by weight decay, 1.2 % in 165 steps, shrinking every predicted box."""
     import torch
 
     quiet_ultralytics()

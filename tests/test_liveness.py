@@ -1,4 +1,4 @@
-"""Fast failure signals (issue 11): the pure verdicts and slot decisions stepped with a fake clock,
+"""Fast failure signals: the pure verdicts and slot decisions stepped with a fake clock,
 the liveness server/client over real loopback sockets (a SIGKILLed process is seen at once, a
 SIGSTOPped one at the heartbeat timeout), and the one-line errors for bad timeout settings."""
 

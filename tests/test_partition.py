@@ -1,4 +1,4 @@
-"""Network partitions and their healing (issue 11): real etcd, real agents, real Horovod workers,
+"""Network partitions and their healing: real etcd, real agents, real Horovod workers,
 every node in a network namespace of its own (`elasticyolo/testing/netns.py`: veths to a bridge in
 a hub namespace, nothing in the root namespace, no default route). A cut sets a node's link down.
 
@@ -121,8 +121,8 @@ def test_a_leader_acts_on_liveness_only_while_etcd_answers() -> None:
     assert excluded_hosts({"a", "b"}, {"a", "c"}, False) == {"a"}
 
 
-# About 1-2 minutes on a 2-core box (worker warm-ups, two lease expiries, two rejoins); in
-# `make test` (issue 11).
+# About 1-2 minutes on a 2-core VM (worker warm-ups, two lease expiries, two rejoins); in
+# `make test`.
 def test_partition_and_heal(lab: Lab, dataset: Path) -> None:
     net, c = lab.net, lab.cluster
     for n in NODES:

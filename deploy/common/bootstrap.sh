@@ -3,7 +3,7 @@
 #   1. fetch the etcd CA, client certificate, client key and etcd password from the cloud's
 #      secret store into /etc/elasticyolo (root-only; systemd hands copies to the agent as
 #      credentials), without ever printing them;
-#   2. describe this VM to the agent (address, instance type, zone, spot or not) in agent.env;
+#   2. describe the VM it runs on to the agent (address, instance type, zone, spot or not) in agent.env;
 #   3. install elasticyolo from its wheel into /opt/elasticyolo/.venv (below: no repository, no
 #      test tools; Horovod only when this node's jobs use engine=horovod);
 #   4. create the NVIDIA device nodes (the sandboxed unit cannot run the setuid nvidia-modprobe);
@@ -145,7 +145,7 @@ if [ "$CLOUD" = gcp ]; then  # the S3-compatible (HMAC) credentials for Cloud St
 fi
 log "secrets installed"
 
-# ---- 2. this VM, from the metadata service
+# ---- 2. the VM it runs on, from the metadata service
 case "$CLOUD" in
   aws)
     token=$(curl -fsS -X PUT http://169.254.169.254/latest/api/token -H "X-aws-ec2-metadata-token-ttl-seconds: 300")

@@ -48,8 +48,8 @@ def committed_records(events: Sequence[Event], until: float = float("inf")) -> l
     the latest round at (s, w), since a round resumes each rank once. Seen: a checkpoint-restart
     world of 3 that trained 2 steps and checkpointed neither, replaced by a world of 3 that
     restored the same checkpoint; as one round, both executions of those steps counted: 48
-    duplicates. After one step only, the rank rule alone tells them apart (the baseline's 48 and
-    96 duplicates, stop 38). (Time apart would not tell: a frozen or starved rank can resume
+    duplicates. After one step only, the rank rule alone tells them apart (such a baseline showed 48 and
+    96 duplicates without it). (Time apart would not tell: a frozen or starved rank can resume
     seconds after its peers.)"""
     Round = tuple[int, Any, int]  # (step resumed at, world size, earlier rounds with both)
     records = sorted((e["t"], e["step"], e.get("world")) for e in events if e.get("ev") == "step")
@@ -219,7 +219,7 @@ def ideal_samples(tl: ReplayTimeline, rates: dict[int, float]) -> float:
 
 def best_rate(rates: dict[int, float], nodes: int) -> float:
     """The best steady-state rate with `nodes` available: that of any count up to it. Where more
-    nodes trained slower (a simulated Horovod world of 4 beside 3, stop 37: 40.3-42.2 against
+    nodes train slower (a simulated Horovod world of 4 beside 3 on a 2-core VM: 40.3-42.2 against
     53.8-57.7 samples/s), the ideal leaves the extra ones idle rather than ask less of a system."""
     return max((r for n, r in rates.items() if n <= nodes), default=0.0)
 

@@ -1,6 +1,6 @@
 """The replay's measured per-event costs applied to the whole trace, uncompressed (pure).
 
-Model (README "Replaying a spot trace"): useful work is node-seconds of training, the ideal is
+Model (docs/chaos.md, "Projection"): useful work is node-seconds of training, the ideal is
 the integral of the trace's node count (steady-state throughput taken as linear in nodes). A change
 costs a system
   * a pause: seconds in which the new world trains nothing (measured live, per event type);

@@ -31,10 +31,9 @@ CALIBRATION_SPANS = 3  # per node count; their median rate is the steady state
 SETTLE_TIMEOUT_S = 120.0  # for the nodes' standbys to warm before a measurement starts
 # The elastic job's first world change comes after at least this many steps at world 1: those
 # steps are the uninterrupted run's, bit for bit (the accuracy check), and a run's first steps
-# from a random init are chaotic. Measured (stop 30, a host 3x slower than before): the first
-# change at step 22 left the losses equal to 3 decimals through step 30, then they parted, and
-# mAP50-95 at epoch 21 read 0.35 against 0.78; with the first change near step 40 (stop 28's
-# host speed) five runs were within 0.04.
+# from a random init are chaotic. Measured on a 2-core x86-64 VM: a first change at step 22 left
+# the losses equal to 3 decimals through step 30, then they parted, and mAP50-95 at epoch 21 read
+# 0.35 against 0.78; with the first change near step 40, five runs were within 0.04.
 SHARED_STEPS = 40
 
 
@@ -79,8 +78,8 @@ class SystemRun:
     @property
     def rates(self) -> dict[int, float]:
         """Steady-state samples/s per node count: the mean of the median of its spans before the
-        replay and the median after it. The machine's speed drifts over minutes (stop 26: world 2
-        calibrated at 47.8 samples/s and trained at 29.7 in the replay right after); a calibration
+        replay and the median after it. The machine's speed drifts over minutes (on a shared 2-core VM
+        world 2 calibrated at 47.8 samples/s and trained at 29.7 in the replay right after); a calibration
         on both sides of the replay holds the replay's own minutes between them."""
         return {n: statistics.fmean([statistics.median(s) for s in (spans, self.span_rates_after.get(n)) if s])
                 for n, spans in self.span_rates.items()}

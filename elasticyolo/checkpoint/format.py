@@ -11,8 +11,8 @@ model and EMA state_dicts, scheduler, scaler, world size, policy and a free-form
 (sampler state, policy ramp, RNG, ...).
 
 The `ema` module keeps full precision, where Ultralytics writes a half copy: its tensors *are*
-the EMA state_dict's, so the file stores them once (a half copy beside them was 15 % more bytes
-to copy, hash, send and store for every checkpoint). `YOLO(path)` converts to float anyway.
+the EMA state_dict's, so the file stores them once (a half copy beside them would be 15 % more
+bytes to copy, hash, send and store for every checkpoint). `YOLO(path)` converts to float anyway.
 
 `build_checkpoint` is the only part that blocks training: it copies tensors to host memory (under
 `shipping.capture`, straight into the shared memory the uploader process reads). Building the

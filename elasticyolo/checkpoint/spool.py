@@ -2,8 +2,8 @@
 
 `torch.save` hands each tensor's bytes to `write` as a view of the tensor's own memory, and the
 uploader's tensors are views of the shared-memory slot the snapshot was taken into. Copying those
-bytes once more into a buffer was a pass over the whole checkpoint (36.6 MB for yolov8n, about as
-long as the sha256 pass on this 2-core VM), so a write that lies inside a registered buffer is
+bytes once more into a buffer would be a pass over the whole checkpoint (36.6 MB for yolov8n, about
+as long as the sha256 pass on a 2-core x86-64 VM), so a write that lies inside a registered buffer is
 kept as a reference to it; headers and the pickle (a few KB) are copied into a reused arena.
 Readers get views: the upload sends straight from the slot, which must therefore stay mapped and
 unchanged until the spool is reset (the uploader holds the slot until its upload is over).

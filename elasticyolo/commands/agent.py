@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-type")
     parser.add_argument("--zone")
     parser.add_argument("--price-per-hour", type=float, metavar="USD",
-                        help="what this VM costs per hour (status and /metrics show the job's spend)")
+                        help="what the node's VM costs per hour (status and /metrics show the job's spend)")
     parser.add_argument("--on-demand-price-per-hour", type=float, metavar="USD",
                         help="the same VM's on-demand price (for savings; default: from --price-table)")
     parser.add_argument("--price-table", metavar="YAML",

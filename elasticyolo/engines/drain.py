@@ -40,7 +40,8 @@ from elasticyolo.log import get_logger
 # Stopping a worker takes up to spawn.KILL_GRACE_S (SIGTERM, then SIGKILL): start that much
 # (plus a second) before the deadline; in a short drain window (a notice of a few seconds, as a
 # compressed replay gives) at most a quarter of it, or the world never gets the chance to let the
-# worker go at a commit (stop 25: a 1.5 s window was killed at once, a rollback every notice).
+# worker go at a commit (a full lead would kill a 1.5 s window's worker at once: a rollback every
+# notice).
 KILL_LEAD_S = 4.0
 KILL_LEAD_FRACTION = 0.25
 

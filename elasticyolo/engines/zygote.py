@@ -2,12 +2,12 @@
 torch._dynamo, Ultralytics, boto3, the engine's worker module) and forks every warm worker from
 itself.
 
-Why: a warm worker spent ~4 of its ~4.8 CPU-s importing (stop 25: `import torch` 2.0 CPU-s, the
-`torch._dynamo` import that the first optimizer call makes 1.7, the engine's modules 0.5; model,
-datasets and warm-up pass 0.3). torch elastic replaces every node's worker at every change and
+Why: a fresh warm worker spends ~4 of its ~4.8 CPU-s importing (2-core x86-64 VM: `import
+torch` 2.0 CPU-s, the `torch._dynamo` import that the first optimizer call makes 1.7, the engine's
+modules 0.5; model, datasets and warm-up pass 0.3). torch elastic replaces every node's worker at every change and
 every node then rebuilds its standby beside training: 28-38 s on a 0.44-CPU replay node. A child
 forked from the zygote starts with the imports done and is warm after ~0.5 CPU-s. A node's first
-warm worker costs what it did (the zygote imports first); every later one is cheap.
+warm worker costs the full imports (the zygote does them first); every later one is cheap.
 
 Fork safety: the zygote runs no torch operation and starts no thread before forking (`import
 torch` leaves one idle native thread of its BLAS pool, which handles fork: torch's own DataLoader
@@ -17,8 +17,8 @@ the zygote) and runs `python -m MODULE ARGS` as a fresh interpreter would (runpy
 
 The torch launcher imports torch itself (torch elastic): its zygote is forked from it once it
 has imported the worker's modules too (`Zygote.fork_here`), so a node imports torch once. On a
-joining replay node, the launcher's and a spawned zygote's imports side by side took 10.4 s of
-the 17.5 s from the node's start to its first step (stop 28). The agent never imports torch: its
+joining replay node, the launcher's and a spawned zygote's imports side by side would take 10.4 s
+of the 17.5 s from the node's start to its first step. The agent never imports torch: its
 pool (Horovod) spawns the zygote.
 
 Lifetime: the zygote dies with the pool's owner (the agent or the torch launcher:

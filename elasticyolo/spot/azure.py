@@ -51,7 +51,7 @@ class AzureSource(HttpSource):
         return resp.text.strip() or None
 
     def _resolve_name(self) -> None:
-        """Learn this VM's name so events for other VMs in the same set are ignored."""
+        """Learn the name of the VM it runs on, so events for other VMs in the same set are ignored."""
         try:
             resp = self.request("GET", NAME_PATH, headers=HEADERS,
                                 params={"api-version": "2021-02-01", "format": "text"})

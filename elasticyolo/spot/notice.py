@@ -25,7 +25,7 @@ class Notice:
 
     provider: "aws" | "gcp" | "azure" | "local".
     deadline: epoch seconds by which the node may be gone (for at-risk kinds: a lower bound).
-    key: identity used to deliver each notice once (e.g. the Azure EventId).
+    key: the identity by which each notice is delivered once (e.g. the Azure EventId).
     drain: whether the agent should drain on it (False for at-risk signals by default).
     event_id: provider id to acknowledge when drained (Azure), else None.
     """

@@ -9,30 +9,30 @@ on host cores beside it. So each simulated node gets two cgroups: an *accelerato
 else's, which a worker moves itself into when it starts training (`train/sim_accelerator.py`);
 and a *host*, no quota, any core, where the agent and everything it starts run.
 
-Measured on 2 cores: with the whole node in one 0.44-CPU quota, rank 0's node gave 0.10 CPU of
-it to its uploader and agent and set the whole world's pace (stop 26: 1..4 nodes calibrated at
-16, 28, 47 and 44 samples/s); with 0.375-CPU accelerators, 21, 36, 53 and 68. Quotas alone
+Measured on a 2-core x86-64 VM: with the whole node in one 0.44-CPU quota, rank 0's node gives
+0.10 CPU of it to its uploader and agent and sets the whole world's pace (1..4 nodes calibrated
+at 16, 28, 47 and 44 samples/s); with 0.375-CPU accelerators, 21, 36, 53 and 68. Quotas alone
 (10 ms period, free to run on either core) gave 18, 17, 23 and 37: the 20 ms period and the
 pinning matter, as a node out of quota holds every rank's collective until its next period begins.
 
-Each host weighs one ordinary process, as it stands for a machine's CPUs of its own; at one
-process's weight for all hosts together a joining node's imports ran at ~0.45 CPU while the other
-nodes' agents and uploaders ran (9.2-9.5 s for the zygote's, stop 28). Weighed so, the hosts
-outweighed etcd and the S3 server when the baseline restarted four nodes at once: 2 s leases
+Each host weighs one ordinary process, as it stands for a machine's CPUs of its own (at one
+process's weight for all hosts together, a joining node's imports run at ~0.45 CPU while the
+other nodes' agents and uploaders run: 9.2-9.5 s for the zygote's). Weighed so, the hosts
+outweigh etcd and the S3 server when the baseline restarts four nodes at once: 2 s leases
 expired, the leader fell, and that restart took 207 s to its first step. So the servers the
 cluster shares (etcd, the S3 server, the metadata servers: the cloud, not a node) get a cgroup of
 their own (`serve_here`) weighed above every host: they are light but latency-bound.
 
 A GPU world all-reduces over NCCL and the network, which no node's host work slows. Here torch's
-gloo process group reduces and sends on its own threads, which stood on the hosts: measured in a
-torch replay (stop 38, hours 4.25-5.25, K=4), a world of 4 trained at 86.1 samples/s while nothing
-ran beside it and at 57.1 while the nodes rebuilt their standbys, and worlds of 2 and 3 at 49.1
-and 64.4 against 60.4 and 74.7 while a joining node, another machine, imported torch. So the
-cluster gets an *interconnect*: one cgroup, no quota, any core, weighed as the accelerators, where
-a worker moves the process group's communication threads (`train/sim_accelerator.py`; cgroup v1,
-which places threads). With it, the next run: 84.2 against 87.0 beside the rebuilds, 52.0 and 71.6
-against 58.9 and 74.5 beside a joiner's imports. Horovod's threads go there too (named by the worker
-as `hvd.init()` starts them); they burn 0.21 CPU per node wherever they run (stop 39).
+gloo process group reduces and sends on its own threads. On the hosts, in a torch replay (hours
+4.25-5.25, K=4, 2-core x86-64 VM), a world of 4 trained at 86.1 samples/s while nothing ran beside
+it and at 57.1 while the nodes rebuilt their standbys, and worlds of 2 and 3 at 49.1 and 64.4
+against 60.4 and 74.7 while a joining node, another machine, imported torch. So the cluster gets
+an *interconnect*: one cgroup, no quota, any core, weighed as the accelerators, where a worker
+moves the process group's communication threads (`train/sim_accelerator.py`; cgroup v1, which
+places threads). There: 84.2 against 87.0 beside the rebuilds, 52.0 and 71.6 against 58.9 and
+74.5 beside a joiner's imports. Horovod's threads go there too (named by the worker as
+`hvd.init()` starts them); they burn 0.21 CPU per node wherever they run.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class _State:
         self.acknowledged: list[str] = []
         self.faults: list[_Fault] = []
         self.log: list[dict[str, Any]] = []
-        # What each API states as this VM's type (the price table's key).
+        # What each API states as the simulated VM's type (the price table's key).
         self.instance_type = {"aws": "p3.2xlarge", "gcp": "n1-standard-8", "azure": "Standard_NC6s_v3"}
 
     def gcp_etag(self, key: str) -> str:
@@ -144,7 +144,7 @@ class MetadataServer:
         """Start announcing a notice. aws: action terminate|stop|hibernate (time = now + in_s,
         default 120) or "rebalance". gcp: "preempt" (default) or a maintenance value
         ("maintenance" = TERMINATE_ON_HOST_MAINTENANCE). azure: an EventType (default Preempt),
-        NotBefore = now + in_s (default 30), for `resource` (default this VM). Returns what it set."""
+        NotBefore = now + in_s (default 30), for `resource` (default the simulated VM). Returns what it set."""
         st, now = self.state, time.time()
         with st.cond:
             if provider == "aws":

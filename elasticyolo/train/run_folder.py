@@ -73,8 +73,8 @@ class RunFolder:
 
     The training thread only copies the weights to host memory (`snapshot(core)`, default
     `train.state.build_core_checkpoint`); serializing, writing and `on_epoch` run on one
-    background thread, in epoch order, so an epoch end does not stall the world (on rank 0 it
-    used to cost 0.3-0.5 s per epoch on 2 CPU cores). `flush()` waits for them."""
+    background thread, in epoch order, so an epoch end does not stall the world (on the training thread it would cost rank 0
+    0.3-0.5 s per epoch on 2 CPU cores). `flush()` waits for them."""
 
     MAX_PENDING = 2  # epochs whose files are still being written; the next epoch end waits beyond
 

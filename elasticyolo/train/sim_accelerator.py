@@ -7,16 +7,16 @@ them slows a step. A replay on one CPU host stands for a node's GPU with a CPU q
 it starts run in the host one. When a worker starts training it moves itself into the
 accelerator cgroup (`enter`), so only training counts against the quota.
 
-Measured before this existed (stop 26, 2 cores, the whole node in one 0.44-CPU quota): rank 0's
-node gave 0.10 CPU of it to its uploader and its (leader) agent, and since a synchronous world
-trains at its slowest rank's pace, every other rank waited on it.
+Without it (2-core x86-64 VM, the whole node in one 0.44-CPU quota), rank 0's node gives 0.10 CPU
+of it to its uploader and its (leader) agent, and since a synchronous world trains at its slowest
+rank's pace, every other rank waits on it.
 
 Only the training thread moves (cgroup v1 `tasks`) when it is where torch computes (one intra-op
 thread, as the replay runs workers), and every other thread of the process goes to the host:
 Horovod's background thread (it coordinates the ranks every millisecond), the process group's
 communication threads and the snapshot writer run on a GPU node's host cores. With the whole process in the
 quota, a Horovod world of 3 trained either at 0.79 s or at 1.35-1.40 s per step, set at each
-world's start (calibrations and replays alike, stop 37). Otherwise (cgroup v2, several intra-op
+world's start (calibrations and replays alike). Otherwise (cgroup v2, several intra-op
 threads) the whole process moves.
 
 Except the threads that carry the world's collectives (`INTERCONNECT_THREADS`): torch's gloo
@@ -25,7 +25,7 @@ thread and are named `HOROVOD_THREAD` when `hvd.init()` starts them (`name_threa
 They go to the cluster's simulated interconnect when there is one (`ELASTICYOLO_SIM_INTERCONNECT`),
 since a GPU world's all-reduce is NCCL's and the network's, which no host work slows
 (testing/cpu_slices.py has the figures). Horovod's world of 4 still calibrates below 3 there
-(54.7 against 65.6 samples/s, stop 39; 56.6 against 68.9 on the host): its background loops burn
+(54.7 against 65.6 samples/s; 56.6 against 68.9 on the host): its background loops burn
 0.21 CPU per node wherever they run.
 
 Unset (every real deployment) nothing happens.

@@ -36,7 +36,7 @@ RESET_GRACE_S = 0.5  # after the reset's first registration: a live worker has r
 # After every worker of the world on a node not lost registered. A live worker on a suspect node
 # (only its agent frozen) had its collective aborted with theirs and registers with them; a frozen
 # one never does.
-# Was RESET_GRACE_S alone: a whole frozen node then cost the world 0.5 s more (bench/recovery.py).
+# With RESET_GRACE_S alone, a whole frozen node would cost the world 0.5 s more (bench/recovery.py).
 PEER_GRACE_S = 0.15
 
 

@@ -1,16 +1,16 @@
 """Horovod's rollback point for the model and optimizer, kept in buffers of its own.
 
 Two things wrong with Horovod's `ModelStateHandler`/`OptimizerStateHandler` for us:
-- **A second failure rolled the optimizer back to a state training had written into.** The
+- **A second failure would roll the optimizer back to a state training had written into.** The
   stock restore loads the saved state dict itself, and `Optimizer.load_state_dict` keeps the
   tensors it is given when their dtype and device already match: the momentum buffers after a
   restore *are* the saved ones, and the next steps update them in place. A second failure before
-  the next commit (a burst of preemptions) then restored momentum from after the first restore,
+  the next commit (a burst of preemptions) then restores momentum from after the first restore,
   beside parameters from the commit (measured: `tests/test_horovod_saved_state.py`'s scenario
   fails with the stock handlers). Here a restore loads a copy.
-- Every save deep-copied the whole state dict: for yolov8n's model, EMA model and optimizer, 48
+- Every save deep-copies the whole state dict: for yolov8n's model, EMA model and optimizer, 48
   MB of new memory and about 1,300 new tensors every commit (every ~2 steps in the benches):
-  0.02-0.04 s a save on this 2-core machine, with spikes to 0.2 s, against 0.01 s when a save
+  0.02-0.04 s a save on a 2-core x86-64 VM, with spikes to 0.2 s, against 0.01 s when a save
   copies into the tensors the previous save allocated, as here.
 """
 

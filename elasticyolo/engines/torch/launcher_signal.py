@@ -3,8 +3,8 @@
 torch's launcher stops by an exception: its signal handler raises `SignalException` on the main
 thread wherever that thread is. Any `except Exception` on the way (an etcd read in a rendezvous
 sync, a library's best-effort cleanup, logging's own handler) swallows it, and the launcher trains
-on until the agent's SIGKILL: seen in a clean-clone CI run, a node drained on a spot notice whose
-launcher ran on for 17 s, to its drain deadline, so the survivor's next round never came.
+on until the agent's SIGKILL: a node drained on a spot notice whose launcher swallows it trains on
+to its drain deadline, and the survivor's next round never comes.
 
 `install()` puts one handler in place of torch's (torch registers `_terminate_process_handler`
 by name when it starts workers) and of the launcher's own for the first rendezvous; it records

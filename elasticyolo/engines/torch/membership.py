@@ -15,9 +15,9 @@ Under the agents both are known sooner:
   job at a time: a newer member of the same node means the older launcher is gone. A launcher
   writes it only once its warm workers are ready (`launcher.py`), so no round waits for a node
   that is still starting, and marks it left when it stops (on any exit but SIGKILL): its
-  participant is expired at once. Deleting the key instead made a stopped launcher's participant
-  an unknown one, kept until torch's heartbeat expiry (stop 27: a node drained on a spot notice
-  while its launcher was in an etcd call stopped the survivors' next round for 14.5 s).
+  participant is expired at once. Deleting the key instead would make a stopped launcher's
+  participant an unknown one, kept until torch's heartbeat expiry (a node drained on a spot notice
+  while its launcher was in an etcd call would stop the survivors' next round for 14.5 s).
 
 `decide` (pure) turns that into actions on torch's state: participants of a gone
 node are expired at once (torch's own sanitizer then removes them; the running nodes then
@@ -33,8 +33,8 @@ watch on the keys a round depends on (the rendezvous state, the node records, th
 member keys) invalidates torch's cached state, so the next read (the agent's monitor every
 0.1 s, a waiting node every `POLL_S` instead of torch's fixed 1 s) fetches it, while an
 unchanged state is served from the cache for up to `CACHE_S` (a missed event costs that much).
-A round used to take 2-3 s of polling on top of everything else. Both are settings of this
-(launcher) process only.
+Polling instead would add 2-3 s to every round. Both are settings of this (launcher) process
+only.
 """
 
 from __future__ import annotations
