@@ -103,7 +103,7 @@ class TinyEngine:
         print(json.dumps({"event": "tiny worker started", "level": "info", "step": step, "pid": os.getpid()}),
               flush=True)
         while step < total and not stopping:
-            time.sleep(STEP_S)
+            time.sleep(STEP_S)  # one "training" step takes this long
             step += 1
             rec = {"kind": "step", "epoch": step // STEPS_PER_EPOCH, "epochs": spec.epochs, "step": step,
                    "consumed": step % STEPS_PER_EPOCH, "num_samples": STEPS_PER_EPOCH, "world_size": 1,
