@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from elasticyolo.spot import Notice
+from elasticyolo.spot import Notice, NoticeWatcher
 from elasticyolo.testing.wait import wait_for
 
 
@@ -23,3 +23,12 @@ class Collector(list):  # type: ignore[type-arg]
     def wait(self, n: int = 1, timeout: float = 5.0) -> list[Notice]:
         """The notices once at least `n` arrived (AssertionError after `timeout`)."""
         return wait_for(lambda: list(self) if len(self) >= n else None, timeout, f"{n} notice(s)", interval=0.01)
+
+
+def polls_pass(watcher: NoticeWatcher, n: int = 3, timeout: float = 5.0) -> None:
+    """Until every source of `watcher` has answered `n` more polls: a check that nothing (more)
+    was delivered spans real polls, not a guessed time."""
+    for i in range(n):
+        since = time.time()
+        wait_for(lambda: all((h.last_ok or 0.0) > since for h in watcher.health.values()), timeout,
+                 f"poll {i + 1} of {n} of every notice source")

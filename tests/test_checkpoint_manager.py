@@ -20,6 +20,7 @@ from elasticyolo.checkpoint import CheckpointManager, list_manifests, open_store
 from elasticyolo.checkpoint.adaptive import YoungDaly
 from elasticyolo.testing.checkpoint_faults import CrashingSerializer, CrashingStore, GatedSerializer, TruncatingStore
 from elasticyolo.testing.servers import S3Server, free_port
+from elasticyolo.testing.wait import wait_for
 
 torch = pytest.importorskip("torch")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
@@ -96,6 +97,7 @@ class TcpProxy:
     def __init__(self, target: int) -> None:
         self.target, self.port = target, free_port()
         self.bytes_per_s: float | None = None
+        self.sent = 0  # bytes forwarded towards S3 (uploads)
         self._sock: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -145,8 +147,10 @@ class TcpProxy:
         try:
             while data := src.recv(65536):
                 if throttle and self.bytes_per_s:
-                    time.sleep(len(data) / self.bytes_per_s)
+                    time.sleep(len(data) / self.bytes_per_s)  # the bandwidth limit itself
                 dst.sendall(data)
+                if throttle:
+                    self.sent += len(data)
         except OSError:
             pass
         finally:
@@ -165,13 +169,6 @@ def proxy(s3env: S3Server) -> Iterator[TcpProxy]:
     p.stop()
 
 
-def _until(pred: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_s3_outage_during_upload(bucket: str, proxy: TcpProxy) -> None:
     direct = open_store(f"s3://{bucket}")  # straight to moto, for looking at the bucket during the outage
     store = open_store(f"s3://{bucket}", endpoint_url=proxy.url, retries=2, retry_max_delay_s=2,
@@ -183,10 +180,11 @@ def test_s3_outage_during_upload(bucket: str, proxy: TcpProxy) -> None:
     t0 = time.perf_counter()
     assert mgr.maybe_save(20, 0, lambda: fake_ckpt(20, nbytes=4_000_000))
     assert time.perf_counter() - t0 < 0.5  # the caller only paid for the snapshot
-    _until(lambda: mgr.status()["uploading_step"] == 20)
-    time.sleep(0.4)
+    wait_for(lambda: mgr.status()["uploading_step"] == 20, 15, "the step-20 upload to start")
+    sent = proxy.sent
+    wait_for(lambda: proxy.sent - sent >= 500_000, 15, "the step-20 upload to be part-way through")
     proxy.stop()  # S3 gone, upload in flight
-    _until(lambda: mgr.failures >= 2)
+    wait_for(lambda: mgr.failures >= 2, 15, "two failed upload attempts")
     t0 = time.perf_counter()
     for step in range(21, 30):  # training goes on, never waits
         assert not mgr.maybe_save(step, 0, lambda: fake_ckpt(step))
@@ -219,7 +217,7 @@ def test_s3_server_restart(monkeypatch: pytest.MonkeyPatch) -> None:
         assert mgr.maybe_save(10, 0, lambda: fake_ckpt(10)) and mgr.wait(20)
         first.stop()
         assert mgr.maybe_save(20, 0, lambda: fake_ckpt(20))
-        _until(lambda: mgr.failures >= 1)
+        wait_for(lambda: mgr.failures >= 1, 15, "a failed upload attempt")
         second = S3Server(port=first.port).start()
         try:
             boto3.client("s3").create_bucket(Bucket="restart")  # a fresh moto has no data
@@ -262,7 +260,7 @@ def test_half_written_never_becomes_latest(tmp_path: Path) -> None:
     assert mgr.maybe_save(10, 0, lambda: fake_ckpt(10)) and mgr.wait(10)
     store.set_bad(2)
     assert mgr.maybe_save(20, 0, lambda: fake_ckpt(20))
-    _until(lambda: mgr.failures >= 1)
+    wait_for(lambda: mgr.failures >= 1, 15, "a failed upload attempt")
     assert read_latest(store, "job").step == 10 and steps_of(store, "job") == [10]  # type: ignore[union-attr]
     assert "VerifyError" in (mgr.last_error or "")
     assert mgr.wait(20)
@@ -277,7 +275,7 @@ def test_at_most_one_pending(tmp_path: Path) -> None:
     mgr = fast_manager(store, "job", serializer=GatedSerializer(gate))
     for step in (10, 20, 30, 40, 50):
         assert mgr.maybe_save(step, 0, lambda: fake_ckpt(step))
-        _until(lambda: mgr.status()["uploading_step"] == 10)
+        wait_for(lambda: mgr.status()["uploading_step"] == 10, 15, "the step-10 upload to start")
     st = mgr.status()
     assert st["uploading_step"] == 10 and st["pending_step"] == 50 and st["superseded"] == 3
     gate.touch()
@@ -297,7 +295,7 @@ def test_uploader_dying_mid_serialization(tmp_path: Path) -> None:
         assert mgr.wait(30) and steps_of(store, "job") == [10] and counter.read_text() == "0"
         counter.write_text("2")
         assert mgr.maybe_save(20, 0, lambda: fake_ckpt(20))
-        _until(lambda: mgr.superseded == 1)
+        wait_for(lambda: mgr.superseded == 1, 15, "the crashed snapshot to be let go")
         assert counter.read_text() == "0" and steps_of(store, "job") == [10]  # died twice, then let go
         assert mgr.maybe_save(30, 0, lambda: fake_ckpt(30))
         assert mgr.wait(30) and steps_of(store, "job") == [10, 30]

@@ -10,6 +10,7 @@ import pytest
 from elasticyolo.cluster.etcd import EtcdClient, LeaseNotFoundError, WatchEvent, parse_endpoints
 from elasticyolo.errors import UnavailableError, UserError
 from elasticyolo.testing.servers import EtcdCluster, free_port
+from elasticyolo.testing.wait import wait_for
 
 
 def test_kv_roundtrip_and_prefix(etcd_server: EtcdCluster, job_name: str) -> None:
@@ -65,10 +66,7 @@ def test_lease_expiry_removes_key(etcd_server: EtcdCluster, job_name: str) -> No
     e = EtcdClient(etcd_server.endpoints)
     k = f"/elasticyolo/{job_name}/short"
     e.put(k, "x", lease=e.lease_grant(1))
-    deadline = time.monotonic() + 4
-    while e.get(k) is not None:
-        assert time.monotonic() < deadline, "leased key outlived its TTL"
-        time.sleep(0.1)
+    wait_for(lambda: e.get(k) is None, 4, "the leased key to go with its 1 s TTL")
 
 
 def test_watch_prefix_sees_puts_and_deletes(etcd_server: EtcdCluster, job_name: str) -> None:
@@ -82,9 +80,7 @@ def test_watch_prefix_sees_puts_and_deletes(etcd_server: EtcdCluster, job_name: 
     e.put(p + "x", "1")
     e.put(f"/elasticyolo/{job_name}/outside", "no")
     e.delete(p + "x")
-    deadline = time.monotonic() + 5
-    while len(events) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: len(events) >= 2, 5, "the put and the delete to be watched")
     cancel()
     t.join(3)
     assert not t.is_alive(), "cancel() did not end the watch iterator"
@@ -117,9 +113,7 @@ def test_watch_survives_member_death(etcd_cluster3: EtcdCluster, job_name: str) 
     e.put(p + "1", "a")
     c.kill_member(c.members[0])
     e.put(p + "2", "b")
-    deadline = time.monotonic() + 8
-    while len(events) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: len(events) >= 2, 8, "both puts to be watched across the member's death")
     cancel()
     assert [ev.key for ev in events] == [p + "1", p + "2"]
 

@@ -10,6 +10,7 @@ import time
 
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines.progress import EtcdProgress
+from elasticyolo.testing.wait import wait_for
 
 
 class SlowFirstPut:
@@ -43,10 +44,10 @@ def test_the_final_flush_is_not_overwritten_by_an_older_put_in_flight() -> None:
     sink(step(400))
     flushing = threading.Thread(target=sink.flush)
     flushing.start()  # the job ends: 400 is flushed while 399's put is still in flight
-    time.sleep(0.1)
+    wait_for(lambda: sink._latest is None, 10, "the flush to take 400")
     client.release.set()
     flushing.join(10)
-    time.sleep(0.3)  # 399's put has returned by now (landed, or skipped as stale)
+    wait_for(lambda: any(rec["step"] == 399 for _, rec in client.puts), 10, "399's put to return")
     progress = [rec["step"] for key, rec in client.puts if key == keys.progress]
     assert progress[-1] == 400, progress
 
@@ -56,23 +57,25 @@ def test_checkpoint_records_land_newest_last() -> None:
         def __init__(self) -> None:
             self.puts: list[tuple[str, dict]] = []
             self.lock = threading.Lock()
+            self.slow_started, self.slow_returned = threading.Event(), threading.Event()
 
         def put(self, key: str, value: str, lease: int | None = None) -> int:
             rec = json.loads(value)
             if rec.get("step") == 4:
-                time.sleep(0.3)  # the older checkpoint's put is the slow one
+                self.slow_started.set()
+                time.sleep(0.3)  # the older checkpoint's put is the slow one: it lasts while the newer one comes
             with self.lock:
                 self.puts.append((key, rec))
+            if rec.get("step") == 4:
+                self.slow_returned.set()
             return 1
 
     client, keys = Recording(), JobKeys("j")
     sink = EtcdProgress(client, keys)  # type: ignore[arg-type]
     sink({"kind": "checkpoint", "step": 4, "uri": "file:///a"})
-    time.sleep(0.05)
+    assert client.slow_started.wait(10)  # the older put is in flight
     sink({"kind": "checkpoint", "step": 8, "uri": "file:///b"})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not any(r["step"] == 8 for _, r in client.puts):
-        time.sleep(0.02)
-    time.sleep(0.5)  # the slow older put has returned by now
+    wait_for(lambda: client.slow_returned.is_set() and any(r["step"] == 8 for _, r in client.puts), 10,
+             "the slow older put to return and the newer one to land")
     landed = [rec["step"] for key, rec in client.puts if key == keys.checkpoint_latest]
     assert landed and landed[-1] == 8, landed

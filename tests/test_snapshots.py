@@ -179,7 +179,7 @@ from elasticyolo.train.snapshots import finish_snapshot_on_sigterm
 
 class SlowWrite:  # a snapshot still being written when the signal comes
     def flush(self, timeout=None):
-        time.sleep(0.5)
+        time.sleep(0.5)  # the write lasts past the signal: SIGTERM must wait for it
         Path({str(marker)!r}).write_text("ok")
         return True
 

@@ -12,7 +12,7 @@ from elasticyolo.spot.aws import AwsSource
 from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 from elasticyolo.testing.servers import free_port
 from elasticyolo.testing.wait import wait_for
-from spot_support import Collector
+from spot_support import Collector, polls_pass
 
 POLL = 0.1
 
@@ -28,7 +28,7 @@ def test_no_notice_then_one_terminate_within_a_poll(md: MetadataServer) -> None:
     got = Collector()
     w.start(got)
     try:
-        time.sleep(0.4)
+        polls_pass(w)
         assert list(got) == []
         announced_at = time.monotonic()
         md.announce("aws", action="terminate", in_s=120)
@@ -39,7 +39,7 @@ def test_no_notice_then_one_terminate_within_a_poll(md: MetadataServer) -> None:
         assert (n.provider, n.kind, n.drain) == ("aws", "terminate", True)
         assert abs(n.deadline - expected_deadline) <= 1.5  # AWS times have 1 s resolution
         assert got.times[0] - announced_at < POLL + 1.0  # slack for a loaded 2-core box
-        time.sleep(5 * POLL)  # the server keeps announcing: still delivered once
+        polls_pass(w)  # the server keeps announcing: still delivered once
         assert len(got) == 1
         assert w.notices == notices
     finally:
@@ -71,12 +71,15 @@ def test_rebalance_is_at_risk_not_drain(md: MetadataServer) -> None:
 
 def test_token_renewed_before_expiry(md: MetadataServer) -> None:
     src = AwsSource(md.url, POLL, 0.5, token_ttl_s=1)
-    end = time.monotonic() + 1.6
-    while time.monotonic() < end:
-        assert src.poll_once() == []
-        time.sleep(0.05)
+    found: list[list] = []
+
+    def renewed() -> bool:  # polls until the 1 s token had to be renewed
+        found.append(src.poll_once())
+        return sum(1 for e in md.request_log if e["method"] == "PUT") >= 2
+
+    wait_for(renewed, 5, "a second token")
+    assert found and all(notices == [] for notices in found)
     log = md.request_log
-    assert sum(1 for e in log if e["method"] == "PUT") >= 2
     assert not [e for e in log if e["status"] == 401]
 
 

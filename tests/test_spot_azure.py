@@ -13,7 +13,7 @@ from elasticyolo.spot.azure import AzureSource
 from elasticyolo.spot.notice import parse_rfc1123
 from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 
-from spot_support import Collector
+from spot_support import Collector, polls_pass
 
 POLL = 0.1
 
@@ -29,7 +29,7 @@ def test_preempt_then_acknowledge(md: MetadataServer) -> None:
     got = Collector()
     w.start(got)
     try:
-        time.sleep(0.4)
+        polls_pass(w)
         assert got == []
         t0 = time.monotonic()
         ev = md.announce("azure", action="Preempt", in_s=30)
@@ -42,7 +42,7 @@ def test_preempt_then_acknowledge(md: MetadataServer) -> None:
         assert md.acknowledged == [ev["EventId"]]
         post = [e for e in md.request_log if e["method"] == "POST"]
         assert post and post[0]["path"].startswith("/metadata/scheduledevents?api-version=2020-07-01")
-        time.sleep(5 * POLL)  # now "Started" with an empty NotBefore: same event, not a new notice
+        polls_pass(w)  # now "Started" with an empty NotBefore: same event, not a new notice
         assert len(got) == 1
     finally:
         w.stop()

@@ -11,6 +11,8 @@ from elasticyolo.errors import UserError
 from elasticyolo.spot import Notice, make_watcher, probe
 from elasticyolo.testing.metadata_server import MetadataServer, MetadataServerProcess, loopback_only
 from elasticyolo.testing.servers import free_port
+from elasticyolo.testing.wait import wait_for
+from spot_support import polls_pass
 
 
 @pytest.fixture(autouse=True)
@@ -61,13 +63,11 @@ def test_server_as_a_process_driven_over_control_endpoints() -> None:
         w.start(got.append)
         try:
             md.fail_next(2, status=502)
-            time.sleep(0.5)
+            polls_pass(w, 2)  # through both failures
             assert got == []
             md.expire_tokens()
             md.announce("aws", action="terminate", in_s=90)
-            end = time.monotonic() + 5
-            while not got and time.monotonic() < end:
-                time.sleep(0.02)
+            wait_for(lambda: got, 5, "the terminate notice")
             assert len(got) == 1 and abs(got[0].seconds_left() - 90) < 2
             statuses = {e["status"] for e in md.request_log}
             assert {200, 401, 404, 502} <= statuses

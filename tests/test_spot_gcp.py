@@ -12,7 +12,7 @@ from elasticyolo.spot import Notice, NoticeWatcher, make_watcher
 from elasticyolo.spot.gcp import GcpSource
 from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 
-from spot_support import Collector
+from spot_support import Collector, polls_pass
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,7 @@ def test_preempt_arrives_at_once_through_long_poll(md: MetadataServer) -> None:
     got = Collector()
     w.start(got)
     try:
-        time.sleep(0.4)
+        polls_pass(w, 1)  # the first answer gave the etag: the next request is a long-poll
         assert got == []
         t0 = time.monotonic()
         md.announce("gcp", action="preempt")
@@ -37,7 +37,7 @@ def test_preempt_arrives_at_once_through_long_poll(md: MetadataServer) -> None:
         assert abs(n.seconds_left() - 30) < 1
         waits = [e for e in md.request_log if "wait_for_change=true" in e["path"] and "last_etag=" in e["path"]]
         assert waits, "expected wait_for_change long-polls with last_etag"
-        time.sleep(0.3)
+        polls_pass(w, 1)
         assert len(got) == 1
     finally:
         w.stop(timeout=1)

@@ -12,8 +12,8 @@ import pytest
 
 from elasticyolo.spot import Notice, NoticeWatcher, make_watcher
 from elasticyolo.spot.base import MetadataError, NoticeSource
-from elasticyolo.spot.local import FileSource
-from spot_support import Collector
+from elasticyolo.spot.local import FileSource, signal_notice
+from spot_support import Collector, polls_pass
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -51,11 +51,11 @@ def test_file_watcher_threaded(tmp_path: Path) -> None:
     w = make_watcher("none", notice_file=str(path), poll_interval_s=0.05)
     w.start(got)
     try:
-        time.sleep(0.2)
+        polls_pass(w)
         assert got == []
         write_atomic(path, "")
         assert len(got.wait(1)) == 1
-        time.sleep(0.2)
+        polls_pass(w)
         assert len(got) == 1
     finally:
         w.stop()
@@ -69,9 +69,9 @@ def test_sigterm_becomes_one_notice() -> None:
         w.start(got)
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
-        [n] = got.wait(1)
-        time.sleep(0.1)
-        assert len(got) == 1
+        w.inject(signal_notice(signal.SIGUSR1))  # delivered in order: once it is in, both SIGTERMs were handled
+        n, last = got.wait(2)
+        assert len(got) == 2 and last.raw == {"signal": "SIGUSR1"}
         assert (n.kind, n.raw, n.drain) == ("signal", {"signal": "SIGTERM"}, True)
         assert abs(n.seconds_left() - 20) < 1
     finally:

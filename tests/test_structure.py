@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -203,7 +202,8 @@ def test_worker_env_round_trip_and_one_set_of_names() -> None:
 
 # ---- die with the parent --------------------------------------------------------------------------
 _CHILD = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(float(sys.argv[2]));"
-          "from elasticyolo.engines.lifeline import die_with_agent; die_with_agent(); time.sleep(60)")
+          "from elasticyolo.engines.lifeline import die_with_agent; die_with_agent();"
+          "open(sys.argv[1] + '.armed', 'w').close(); time.sleep(60)")
 # The parent starts the child through the spawn helper (its pid in the child's environment).
 _PARENT = ("import sys, time; from elasticyolo.engines.spawn import spawn;"
            "spawn([sys.executable, '-c', sys.argv[1], sys.argv[2], sys.argv[3]], dict(__import__('os').environ),"
@@ -223,7 +223,7 @@ def test_child_dies_with_its_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, str(pid_file), "0", "60"])
     try:
         child = _child_pid(pid_file)
-        time.sleep(0.5)  # armed by now (the child arms right after writing its pid)
+        wait_for(lambda: Path(f"{pid_file}.armed").exists(), 30, "the child to arm its death signal")
         assert not _gone(child)
         parent.kill()
         parent.wait(10)

@@ -28,7 +28,7 @@ from elasticyolo.engines.torch.rendezvous import (  # noqa: E402
     EtcdStore,
     create_handler,
 )
-from elasticyolo.testing.wait import in_threads  # noqa: E402
+from elasticyolo.testing.wait import in_threads, wait_for  # noqa: E402
 
 
 @pytest.fixture
@@ -216,9 +216,7 @@ def _scale_up(endpoints: str, run_id: str, handler_cls: type) -> tuple[list, lis
     second: list = []
     handlers[2].next_rendezvous_safe = lambda: _safe(handlers[2])  # type: ignore[attr-defined]
     late.start()
-    deadline = time.monotonic() + 10
-    while handlers[0].num_nodes_waiting() == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: handlers[0].num_nodes_waiting() > 0, 10, "the running nodes to see the third one waiting")
     rest = _rendezvous_all(handlers[:2])
     late.join(30)
     for h in handlers:
@@ -264,8 +262,8 @@ def test_expelled_node_is_told_to_rejoin(etcd_server, job_name: str) -> None:
         state = pickle.loads(raw)
         del state.participants[handlers[0]._this_node]  # what the sanitizer does to a "dead" node
         assert backend.set_state(pickle.dumps(state), token)[2]  # type: ignore[index]
-        time.sleep(1.1)  # the state holder serves a 1 s cache
-        assert handlers[0].num_nodes_waiting() >= 1
+        # The state holder serves a 1 s cache: the expelled node learns it on the next refresh.
+        wait_for(lambda: handlers[0].num_nodes_waiting() >= 1, 5, "the expelled node to be told to rejoin")
         assert handlers[1].num_nodes_waiting() == 0
     finally:
         for h in handlers:

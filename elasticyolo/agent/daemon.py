@@ -27,7 +27,8 @@ from elasticyolo.agent.state import NodeState, Observation, Transition, decide, 
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64
 from elasticyolo.cluster.jobs import submit_spec
-from elasticyolo.cluster.keys import JOB_CANCELLED, JOB_DONE, JOB_FAILED, JOB_SUBMITTED, JobKeys
+from elasticyolo.cluster.job_state import ENDED_STATES, JobState
+from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.liveness import LivenessClient, LivenessServer
 from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
 from elasticyolo.cluster.settings import EtcdSettings
@@ -350,9 +351,9 @@ class Agent:
             except (ValueError, TypeError, AttributeError):
                 state = None
         elif spec is not None:
-            state = JOB_SUBMITTED  # a spec written without a state record counts as submitted
+            state = JobState.SUBMITTED.value  # a spec written without a state record counts as submitted
         # A job seen ending (not one that had ended before this agent started).
-        ended = state in (JOB_DONE, JOB_FAILED, JOB_CANCELLED) and self._job.state != state and not first_read
+        ended = state in ENDED_STATES and self._job.state != state and not first_read
         self._job = JobView(spec, state, revision, error)
         self.log.info("job changed", job_state=state, has_spec=spec is not None, active=self.job.active)
         if ended and self.election.is_leader:

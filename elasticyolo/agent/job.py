@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from elasticyolo.cluster.keys import ACTIVE_JOB_STATES
+from elasticyolo.cluster.job_state import ACTIVE_STATES
 
 if TYPE_CHECKING:
     from elasticyolo.spec import TrainSpec
@@ -20,7 +20,7 @@ class JobView:
 
     @property
     def active(self) -> bool:
-        return self.spec is not None and (self.state in ACTIVE_JOB_STATES)
+        return self.spec is not None and (self.state in ACTIVE_STATES)
 
     @property
     def generation(self) -> int:

@@ -6,7 +6,7 @@
 | `leader`                          | elected agent     | node lease | LeaderRecord (election.py); its mod revision is the fencing token |
 | `suspects/<node-id>`              | leader (fenced)   | leader's   | {"node","by","at"}: no heartbeat within the timeout (agent/dead_nodes.py) |
 | `spec`                            | `submit`, agent config | none  | TrainSpec JSON (elasticyolo.spec)   |
-| `state`                           | `submit`/`cancel`/leader/engine | none | JobState: {"state", "at", "by", "reason"} |
+| `state`                           | `submit`/`cancel`/leader/engine (cluster/jobs.py) | none | {"state", "at", "by", "reason"}; "state" is a JobState (cluster/job_state.py) |
 | `world`                           | leader (driver)   | none       | World: {"world_size","ranks":{node:[rank..]},"term","leader","at"} |
 | `launch/<node-id>/<local-rank>`   | leader (Horovod driver) | leader's | launch request: {"action": "start", "id", "env", "term", "at"}, or {"action": "stop", "id"} to withdraw it (a request that is merely gone stops nothing) |
 | `exit/<request-id>`               | the node's agent  | node lease | worker exit report: {"code","node","slot","at"} |
@@ -104,11 +104,3 @@ class JobKeys:
         """`.../nodes/<id>` -> `<id>`."""
         return key[len(self.nodes):]
 
-
-# Job states in `state`. A job is *active* (agents join its world) while submitted or running.
-JOB_SUBMITTED = "submitted"
-JOB_RUNNING = "running"
-JOB_CANCELLED = "cancelled"
-JOB_DONE = "done"
-JOB_FAILED = "failed"
-ACTIVE_JOB_STATES = (JOB_SUBMITTED, JOB_RUNNING)

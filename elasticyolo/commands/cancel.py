@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import socket
-import time
 
 from elasticyolo.cluster.connect import add_etcd_arguments, client_from_args
 
@@ -18,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elasticyolo.cluster.keys import JOB_CANCELLED
+    from elasticyolo.cluster.job_state import JobEvent
+    from elasticyolo.cluster.jobs import set_job_state
     from elasticyolo.errors import UserError
 
     client, keys = client_from_args(args)
@@ -26,10 +25,7 @@ def run(args: argparse.Namespace) -> int:
     if got is None:
         raise UserError(f"job {keys.job!r} has no spec in etcd (nothing to cancel)")
     by = f"{getpass.getuser()}@{socket.gethostname()}"
-    ok, _ = client.compare_and_swap(keys.state, json.dumps({"state": JOB_CANCELLED, "at": time.time(), "by": by,
-                                                              "reason": args.reason}),
-                                    _mod_revision(client, keys.state))
-    if not ok:
+    if not set_job_state(client, keys, JobEvent.CANCEL, by=by, reason=args.reason):
         raise UserError(f"job {keys.job!r} changed while cancelling; try again")
     if args.purge:
         for key in (keys.spec, keys.world, keys.progress):
@@ -37,8 +33,3 @@ def run(args: argparse.Namespace) -> int:
         client.delete_prefix(keys.launch_prefix)
     print(f"job {keys.job} cancelled" + (" and purged" if args.purge else ""))
     return 0
-
-
-def _mod_revision(client, key: str) -> int:  # type: ignore[no-untyped-def]
-    got = client.get(key)
-    return got[1] if got else 0

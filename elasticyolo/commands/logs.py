@@ -202,7 +202,9 @@ def _print(lines: list[tuple[str, str]], raw: bool) -> None:
 
 def _job_ended(client: Any, keys: Any) -> bool:
     got = client.get(keys.state)
-    return bool(got) and json.loads(got[0]).get("state") in ("done", "failed", "cancelled")
+    from elasticyolo.cluster.job_state import ENDED_STATES
+
+    return bool(got) and json.loads(got[0]).get("state") in ENDED_STATES
 
 
 def _store(args: argparse.Namespace, client: Any, keys: Any, job: str) -> Any:

@@ -65,7 +65,6 @@ def local_data_warning(data: str) -> str | None:
 
 
 # ---- --follow -----------------------------------------------------------------------------------
-ENDED = ("done", "failed", "cancelled")
 # With only the step changing, a line at most this often (the step is in every line).
 PROGRESS_LINE_S = 30.0
 
@@ -94,6 +93,7 @@ def _latest_error(view: dict[str, Any]) -> str | None:
 def follow(client: Any, keys: Any, generation: int | None, interval: float) -> int:
     """Print a line per change until the job ends: 0 when done, 1 when it failed, was cancelled
     or replaced by another submission (the reason on stderr)."""
+    from elasticyolo.cluster.job_state import ENDED_STATES
     from elasticyolo.errors import UnavailableError
     from elasticyolo.status import collect
 
@@ -120,7 +120,7 @@ def follow(client: Any, keys: Any, generation: int | None, interval: float) -> i
         if key != last_key or (view.get("step") != last_step and now - last_line_at >= PROGRESS_LINE_S):
             print(follow_line(view), flush=True)
             last_key, last_line_at, last_step = key, now, view.get("step")
-        if view["state"] in ENDED:
+        if view["state"] in ENDED_STATES:
             if view["state"] == "done":
                 print(f"job {keys.job} done", flush=True)
                 return 0

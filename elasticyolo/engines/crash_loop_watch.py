@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.etcd import EtcdError
 from elasticyolo.cluster.jobs import set_job_state
-from elasticyolo.cluster.keys import JOB_FAILED
+from elasticyolo.cluster.job_state import JobEvent
 from elasticyolo.cluster.registry import read_nodes
 from elasticyolo.engines.crash_loop import RECORD_FIELD, CrashLoopState, CrashTally, NodeCrashes, judge
 from elasticyolo.engines.worker_errors import failure_reason
@@ -69,7 +69,7 @@ class CrashLoopWatch:
             if not verdict.fail:
                 return False
             reason = failure_reason(agent.client, agent.keys, verdict.reason or "workers crashed")
-            failed = set_job_state(agent.client, agent.keys, JOB_FAILED, generation=generation,
+            failed = set_job_state(agent.client, agent.keys, JobEvent.FAIL, generation=generation,
                                    by=f"leader {agent.cfg.node_id} ({self.engine})", reason=reason,
                                    fence=[agent.election.fenced_txn_compare()])
         except (UnavailableError, EtcdError) as exc:

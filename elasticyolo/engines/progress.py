@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.jobs import set_job_state
-from elasticyolo.cluster.keys import JOB_RUNNING, JOB_SUBMITTED, JobKeys
+from elasticyolo.cluster.job_state import JobEvent
+from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines import worker_env
 from elasticyolo.engines.base import WorkerOptions
 from elasticyolo.engines.worker_env import WorkerEnv
@@ -115,8 +116,8 @@ class EtcdProgress:
         try:
             self.client.put(self.keys.resume, json.dumps(rec))
             if not self._marked_running and self.generation is not None:
-                set_job_state(self.client, self.keys, JOB_RUNNING, generation=self.generation,
-                              by=f"rank 0 on {self.node_id}", only_from=(JOB_SUBMITTED,))
+                set_job_state(self.client, self.keys, JobEvent.START, generation=self.generation,
+                              by=f"rank 0 on {self.node_id}")
                 self._marked_running = True
         except (UnavailableError, EtcdError) as exc:
             log.warning("could not publish the resume record", error=str(exc))

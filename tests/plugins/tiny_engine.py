@@ -21,7 +21,7 @@ from typing import Any
 from elasticyolo.agent.plugin import NodeAPI
 from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.jobs import set_job_state
-from elasticyolo.cluster.keys import JOB_DONE
+from elasticyolo.cluster.job_state import JobEvent
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.engines import worker_env
 from elasticyolo.engines.base import DrainPlan, DrainSituation, WorkerOptions, plan_stop
@@ -47,7 +47,8 @@ class TinyNode(EngineNode):
         if self.proc is not None and not self.proc.running:
             if self.proc.returncode == 0 and self.generation is not None:
                 self.finished.add(self.generation)
-                set_job_state(agent.client, agent.keys, JOB_DONE, generation=self.generation, by="tiny engine")
+                set_job_state(agent.client, agent.keys, JobEvent.FINISH, generation=self.generation,
+                              by="tiny engine")
             self.proc = None
         if agent.state is not NodeState.TRAINING or not job.active or job.spec is None:
             if self.proc is not None:
@@ -102,7 +103,7 @@ class TinyEngine:
         print(json.dumps({"event": "tiny worker started", "level": "info", "step": step, "pid": os.getpid()}),
               flush=True)
         while step < total and not stopping:
-            time.sleep(STEP_S)
+            time.sleep(STEP_S)  # one "training" step takes this long
             step += 1
             rec = {"kind": "step", "epoch": step // STEPS_PER_EPOCH, "epochs": spec.epochs, "step": step,
                    "consumed": step % STEPS_PER_EPOCH, "num_samples": STEPS_PER_EPOCH, "world_size": 1,

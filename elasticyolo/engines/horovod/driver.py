@@ -27,7 +27,9 @@ from horovod.runner.common.util.hosts import SlotInfo
 from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.election import LeaderElection
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
-from elasticyolo.cluster.keys import JOB_DONE, JOB_FAILED, JOB_RUNNING, JobKeys
+from elasticyolo.cluster.job_state import JobEvent, JobState
+from elasticyolo.cluster.jobs import set_job_state
+from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.liveness import LivenessServer, Verdict
 from elasticyolo.engines.horovod.abort import ABORT
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
@@ -158,7 +160,7 @@ class DriverRunner:
         self._acted_on: set[str] = set()  # lost nodes the world was already told about
         self._liveness_lock = threading.Lock()
         self.driver: ElasticDriver | None = None
-        self.result: str | None = None  # JOB_DONE / JOB_FAILED once finished
+        self.result: JobState | None = None  # DONE / FAILED once finished
         self.error: str | None = None
         self._stopping = threading.Event()
         self._seq = 0
@@ -231,7 +233,7 @@ class DriverRunner:
                 return
             port = rendezvous.start(rendezvous_handler(driver))
             self.log.info("driver started", rendezvous=f"{self.addr}:{port}", min_np=min_np, max_np=max_np)
-            self._set_state(JOB_RUNNING)
+            self._set_state(JobEvent.START)
             current = self._wait_for_start(driver, min_np)
             num_proc = min(max(current.count_available_slots(), min_np), max_np)
             run_env = create_run_env_vars(self.addr, ["lo"], port, elastic=True)
@@ -250,20 +252,20 @@ class DriverRunner:
                 return
             failed = [n for n, (code, _) in res.worker_results.items() if code != 0]
             if res.error_message is None and res.worker_results and not failed:
-                self.result = JOB_DONE
+                self.result = JobState.DONE
             else:
-                self.result = JOB_FAILED
+                self.result = JobState.FAILED
                 self.error = failure_reason(self.client, self.keys, res.error_message or (
                     f"workers failed: {failed}" if failed else "no worker finished"))
-            self.log.info("driver finished", result=self.result, error=self.error,
+            self.log.info("driver finished", result=self.result.value, error=self.error,
                           workers={k: v[0] for k, v in res.worker_results.items()})
-            self._set_state(self.result, self.error)
+            self._set_state(JobEvent.FINISH if self.result is JobState.DONE else JobEvent.FAIL, self.error)
         except Exception as exc:  # noqa: BLE001 - a driver failure fails the job, never the agent
             if self._stopping.is_set():
                 return
-            self.result, self.error = JOB_FAILED, f"{type(exc).__name__}: {exc}"
+            self.result, self.error = JobState.FAILED, f"{type(exc).__name__}: {exc}"
             self.log.error("driver failed", error=self.error)
-            self._set_state(JOB_FAILED, self.error)
+            self._set_state(JobEvent.FAIL, self.error)
             if self.driver is not None:
                 _stop_driver(self.driver, self.error)
         finally:
@@ -410,17 +412,19 @@ class DriverRunner:
                 self._mismatch_since = now
                 driver._notify_workers_host_changes(current, HostUpdateResult.added)
 
-    def _set_state(self, state: str, reason: str | None = None) -> None:
-        rec = {"state": state, "at": time.time(), "by": f"driver {self.node_id} term {self.term}"}
-        if reason:
-            rec["reason"] = reason
+    def _set_state(self, event: JobEvent, reason: str | None = None) -> None:
+        """Report `event` to the job state, fenced by this node's leadership term."""
         for _ in range(5):
             try:
-                if not self.election.fenced_put(self.keys.state, json.dumps(rec)):
-                    self.log.warning("not leader any more; job state not written", state=state)
+                if not self.election.is_leader:
+                    self.log.warning("not leader any more; job state not written", event=event.value)
+                elif not set_job_state(self.client, self.keys, event, by=f"driver {self.node_id} term {self.term}",
+                                       reason=reason, fence=[self.election.fenced_txn_compare()]):
+                    self.log.info("job state unchanged: the job is past this event, or another writer "
+                                  "got there first", event=event.value)
                 return
             except (UnavailableError, EtcdError) as exc:
-                self.log.warning("could not write job state; retrying", state=state, error=str(exc))
+                self.log.warning("could not write job state; retrying", event=event.value, error=str(exc))
                 time.sleep(0.5)
 
     def _watch_world(self) -> None:

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from elasticyolo.agent.plugin import NodeAPI
 from elasticyolo.agent.state import NodeState
+from elasticyolo.cluster.job_state import JobEvent
 from elasticyolo.cluster.jobs import set_job_state
-from elasticyolo.cluster.keys import JOB_DONE
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.data.staging_agent import data_ready
 from elasticyolo.engines.crash_loop_watch import CrashLoopWatch
@@ -195,7 +195,7 @@ class TorchNode(EngineNode):
 
     def _mark_done(self, agent: NodeAPI, generation: int) -> None:
         try:
-            set_job_state(agent.client, agent.keys, JOB_DONE, generation=generation,
+            set_job_state(agent.client, agent.keys, JobEvent.FINISH, generation=generation,
                           by=f"agent {self.cfg.node_id} (torch)")
         except Exception as exc:  # noqa: BLE001 - another node may write it; never fatal
             log.warning("could not mark the job done", error=str(exc))
