@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from elasticyolo.local_cluster.wait import wait_for
 from elasticyolo.spot import Notice
-from elasticyolo.testing.wait import wait_for
 
 
 class Collector(list):  # type: ignore[type-arg]

@@ -8,9 +8,9 @@ from typing import Iterator
 import pytest
 
 from elasticyolo.errors import UserError
+from elasticyolo.local_cluster.metadata_server import MetadataServer, MetadataServerProcess, loopback_only
+from elasticyolo.local_cluster.servers import free_port
 from elasticyolo.spot import Notice, make_watcher, probe
-from elasticyolo.testing.metadata_server import MetadataServer, MetadataServerProcess, loopback_only
-from elasticyolo.testing.servers import free_port
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import json
 import socket
 import time
 
-from elasticyolo.cluster.connect import add_etcd_arguments, client_from_args
+from elasticyolo.commands.connect import add_etcd_arguments, client_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
