@@ -45,8 +45,8 @@ import torch
 
 from elasticyolo.checkpoint import CheckpointManager, open_store
 from elasticyolo.data.synth import SynthSpec, write_dataset
+from elasticyolo.local_cluster.servers import S3Server
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.servers import S3Server
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
 from elasticyolo.train.state import build_core_checkpoint
 

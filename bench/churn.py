@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.servers import EtcdCluster
-from elasticyolo.testing.trace import final_step_records
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.trace import final_step_records
 
 N_TRAIN = 48
 LAPSE_EVENT = "lease lapsed; re-registering in place"

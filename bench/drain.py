@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.metadata_server import MetadataServer
-from elasticyolo.testing.servers import EtcdCluster
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.metadata_server import MetadataServer
+from elasticyolo.local_cluster.servers import EtcdCluster
 
 SPEC = ["model=yolov8n.yaml", "epochs=500", "imgsz=64", "batch=4", "nbs=4", "warmup_epochs=0", "close_mosaic=0",
         "val=false", "amp=false", "min_nodes=1", "gloo_timeout_s=5", "cooldown_s=1,4"]

@@ -31,9 +31,9 @@ from typing import Any
 import boto3
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.testing.servers import EtcdCluster, S3Server
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.servers import EtcdCluster, S3Server
 
 BUCKET = "bench"
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.registry import NodeRecord
+from elasticyolo.local_cluster.servers import EtcdCluster
 from elasticyolo.status import collect, render_table
-from elasticyolo.testing.servers import EtcdCluster
 
 ELASTICYOLO = str(Path(sys.executable).with_name("elasticyolo"))
 

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from elasticyolo.testing.wheel import (BOOTSTRAP, TEST_PACKAGES, build_wheel, clean_env,  # noqa: E402
+from tests.support.wheel import (BOOTSTRAP, TEST_PACKAGES, build_wheel, clean_env,  # noqa: E402
                                        installed_packages, system_python)
 
 SIZE = re.compile(r"Downloading \S+ \(([\d.]+) (kB|MB|GB)\)")

@@ -47,10 +47,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.horovod_run import HorovodElasticJob
-from elasticyolo.testing.servers import EtcdCluster
-from elasticyolo.testing.trace import pids_by_rank, read_trace
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.trace import pids_by_rank, read_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests/support's job drivers
+from tests.support.horovod_run import HorovodElasticJob  # noqa: E402
 
 ALL = ("elasticyolo", "elasticyolo-torch", "horovodrun", "torchrun-c10d")
 NO_STEP_S = 120.0  # a run that does not train within this long after a loss counts as "no step"
@@ -132,7 +134,7 @@ class ElasticyoloRun:
         return self.c.events()
 
     def settled(self) -> bool:
-        """Every live node's newest warm worker is warm (`engines/prewarm.py` logs both). Spot
+        """Every live node's newest warm worker is warm (`worker_runtime/prewarm.py` logs both). Spot
         events are minutes apart; this run's are seconds apart, so each event waits for the
         standby the previous one used up to be replaced, as it would be in a real cluster."""
         for node, agent in self.c.agents.items():

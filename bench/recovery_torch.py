@@ -34,14 +34,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.testing.agents import AgentProcess
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.jobs import submit_spec
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.data.synth import SynthSpec, write_dataset
+from elasticyolo.local_cluster.agents import AgentProcess
+from elasticyolo.local_cluster.servers import EtcdCluster, free_port
+from elasticyolo.local_cluster.trace import read_trace
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.servers import EtcdCluster, free_port
-from elasticyolo.testing.trace import read_trace
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4"
@@ -124,7 +124,7 @@ class Torchrun(Scenario):
         cmd = [TORCHRUN, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
                "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=100", f"--monitor-interval={MONITOR}",
                "--local-addr=127.0.0.1", f"--rdzv-conf={RDZV_CONF}",
-               "-m", "elasticyolo.engines.lifeline", "elasticyolo.cli", "worker"]
+               "-m", "elasticyolo.worker_runtime.lifeline", "elasticyolo.cli", "worker"]
         log = open(self.tmp / f"torchrun-{node}.log", "ab")
         self.procs[node] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                             start_new_session=True)

@@ -30,11 +30,11 @@ sys.path.insert(0, str(REPO))
 
 import boto3  # noqa: E402
 
-from elasticyolo.data.staging import Stager, s3_client  # noqa: E402
-from elasticyolo.data.staging_cache import DatasetCache  # noqa: E402
-from elasticyolo.data.staging_upload import upload_dataset  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
-from elasticyolo.testing.servers import S3Server  # noqa: E402
+from elasticyolo.local_cluster.servers import S3Server  # noqa: E402
+from elasticyolo.staging.cache import DatasetCache  # noqa: E402
+from elasticyolo.staging.stager import Stager, s3_client  # noqa: E402
+from elasticyolo.staging.upload import upload_dataset  # noqa: E402
 
 
 def naive(bucket: str, prefix: str, dest: Path) -> None:

@@ -30,11 +30,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from elasticyolo.data.staging_upload import upload_dataset  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
-from elasticyolo.testing.servers import EtcdCluster, S3Server  # noqa: E402
-from elasticyolo.testing.unit_jobs import SandboxedAgent  # noqa: E402
-from elasticyolo.testing.unit_sandbox import UnitSandbox, expand_syscall_filter  # noqa: E402
+from elasticyolo.local_cluster.servers import EtcdCluster, S3Server  # noqa: E402
+from elasticyolo.staging.upload import upload_dataset  # noqa: E402
+from tests.support.unit_jobs import SandboxedAgent  # noqa: E402
+from tests.support.unit_sandbox import UnitSandbox, expand_syscall_filter  # noqa: E402
 
 UNIT = REPO / "systemd" / "elasticyolo-agent.service"
 FILE_CALLS = ("open", "openat", "openat2", "creat", "mkdir", "mkdirat", "rename", "renameat", "renameat2", "unlink",
@@ -170,7 +170,7 @@ def main() -> None:
 
 
 def _unit_settings() -> list[tuple[str, str]]:
-    from elasticyolo.testing.unit_sandbox import UnitFile
+    from tests.support.unit_sandbox import UnitFile
 
     return UnitFile.parse(UNIT).settings
 

@@ -15,11 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from elasticyolo.cluster.etcd import parse_endpoints
 from elasticyolo.cluster.keys import check_job_name, check_node_id
-from elasticyolo.engines.worker_env import DEFAULT_WORK_ROOT
 from elasticyolo.errors import UserError
 from elasticyolo.s3options import S3Settings
 from elasticyolo.spec import TrainSpec
 from elasticyolo.spot.providers import PROVIDERS, check_provider
+from elasticyolo.worker_runtime.worker_env import DEFAULT_WORK_ROOT
 
 DEFAULT_CONFIG_PATH = "/etc/elasticyolo/agent.yaml"
 
@@ -80,7 +80,7 @@ class AgentConfig(S3Settings):
     drain_on_rebalance: bool = Field(False, description="drain on a rebalance recommendation, not only mark at risk")
     drain_margin_s: float = Field(5.0, ge=0, le=120, description="finish draining this long before a notice deadline")
 
-    # datasets staged from S3 (data=s3://bucket/prefix/data.yaml): elasticyolo/data/staging.py
+    # datasets staged from S3 (data=s3://bucket/prefix/data.yaml): elasticyolo/staging/stager.py
     data_cache_dir: str | None = Field(None, description="default: $CACHE_DIRECTORY/datasets, else "
                                                           "$XDG_CACHE_HOME/elasticyolo/datasets")
     data_cache_max_gb: float | None = Field(None, gt=0, description="size cap; least recently used datasets "

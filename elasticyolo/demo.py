@@ -26,11 +26,11 @@ from typing import Callable, Iterator, TypeVar
 from elasticyolo.cost import load_price_table
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.errors import UserError
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.testing.metadata_server import MetadataServer
-from elasticyolo.testing.servers import EtcdCluster, S3Server, etcd_binary, moto_server
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.metadata_server import MetadataServer
+from elasticyolo.local_cluster.servers import EtcdCluster, S3Server, etcd_binary, moto_server
+from elasticyolo.local_cluster.wait import wait_for
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ def check_weights_source(name: str) -> str:
     """A weights file's name as a spec gives it (`model=`, `pretrained=`): a local `.pt` (it may
     live only on the nodes: checked where it loads) or `s3://bucket/key.pt`. ValueError otherwise."""
     if name.startswith("s3://"):
-        from elasticyolo.data.staging import SourceRef
+        from elasticyolo.staging.stager import SourceRef
 
         if not name.endswith(".pt"):
             raise ValueError(f"{name!r} is not a weights file: expected s3://bucket/key.pt")
@@ -72,8 +72,8 @@ def local_weights(name: str, option: str, spec: object = None) -> Path:
     local file must exist and look like a checkpoint. One-line errors name the option."""
     where = f"{option}={name}"
     if name.startswith("s3://"):
-        from elasticyolo.data.staging import resolve_staged
         from elasticyolo.s3options import s3_options
+        from elasticyolo.staging.stager import resolve_staged
 
         return resolve_staged(name, s3_options(name, spec), option=option)
     path = Path(name).expanduser()

@@ -8,7 +8,7 @@ milliseconds without forking the threaded training process itself. Helpers watch
 (the training process that started them) and their parent (the fork server) and exit when
 either goes away.
 
-A worker forked from a zygote (engines/zygote.py) shares the zygote's fork server instead
+A worker forked from a zygote (worker_runtime/zygote.py) shares the zygote's fork server instead
 (`fork_shared_fork_server`): forked, not exec'd, from the zygote, which holds the imports
 already. torch elastic replaces every worker at every change; a server of each new rank 0's own would
 import torch again (about 3.5 CPU-s on the node's host, while a joiner starts).

@@ -4,7 +4,7 @@ the cluster (its lease keep-alive, heartbeats, the leader's driver).
 The agent raises itself to `AGENT_NICE` first thing (`as_agent`, before its threads start), so every
 launcher gets it: the systemd unit (which also says `Nice=-5`), the demo, the chaos replay and the
 tests. Every process the agent starts drops back to `WORKER_NICE` first thing
-(`engines/lifeline.py`), so training runs at normal priority and only the agent's light work is
+(`worker_runtime/lifeline.py`), so training runs at normal priority and only the agent's light work is
 ahead of it. The embedded etcd of the demo, the replay and the tests runs at `ETCD_NICE`, as
 deploy/etcd's unit does (`Nice=-5`): a starved etcd lets every lease lapse at once. Without these,
 two CPU hogs beside a 2-node job on 2 cores made both agents' 2 s leases lapse at once. Lowering a

@@ -15,7 +15,7 @@ from typing import Any
 from elasticyolo import cost
 from elasticyolo.cluster.etcd import EtcdClient, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.engines.worker_errors import current_errors
+from elasticyolo.worker_runtime.worker_errors import current_errors
 
 _SINGLE_KEYS = ("leader", "spec", "state", "world", "progress", "checkpoint_latest")
 # Drain-related events shown by status (the newest EVENTS_SHOWN of the job's event log).
@@ -121,7 +121,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
             "instance_type": rec.get("instance_type"),
             "zone": rec.get("zone"),
             "agent_version": rec.get("agent_version"),
-            "data": rec.get("data"),  # s3:// dataset staging (data/staging_agent.py)
+            "data": rec.get("data"),  # s3:// dataset staging (agent/staging.py)
         })
     if lease_ttls is None:
         lease_ttls = len(leases) <= AUTO_LEASE_TTL_MAX_NODES
@@ -142,7 +142,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
         "state": job_state,
         "reason": state_rec.get("reason"),  # why the job failed or was cancelled
         "generation": generation,
-        # Each node's latest worker error in this submission (engines/worker_errors.py).
+        # Each node's latest worker error in this submission (worker_runtime/worker_errors.py).
         "worker_errors": [{k: e.get(k) for k in ("node", "slot", "code", "reason", "at")}
                           for e in current_errors(error_recs, generation)],
         "world_size": world_size,

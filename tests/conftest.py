@@ -8,10 +8,10 @@ from typing import Iterator
 
 import pytest
 
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.agents import AgentProcess
-from elasticyolo.testing.metadata_server import MetadataServer
-from elasticyolo.testing.servers import EtcdCluster, S3Server
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.agents import AgentProcess
+from elasticyolo.local_cluster.metadata_server import MetadataServer
+from elasticyolo.local_cluster.servers import EtcdCluster, S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 from elasticyolo.spot import Notice, NoticeWatcher
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.wait import wait_for
 
 
 class Collector(list):  # type: ignore[type-arg]

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from elasticyolo.agent.sd_notify import SystemdNotifier
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess
-from elasticyolo.testing.wait import wait_for
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.testing.servers import EtcdCluster, free_port
+from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess
+from elasticyolo.local_cluster.servers import EtcdCluster, free_port
+from elasticyolo.local_cluster.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 

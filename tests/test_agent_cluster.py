@@ -18,9 +18,9 @@ import pytest
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, LeaderMonitor, leader_in_etcd, nodes_in_etcd
-from elasticyolo.testing.servers import EtcdCluster, free_port
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess, LeaderMonitor, leader_in_etcd, nodes_in_etcd
+from elasticyolo.local_cluster.servers import EtcdCluster, free_port
+from elasticyolo.local_cluster.wait import wait_for
 
 TTL = 2
 

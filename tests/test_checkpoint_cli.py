@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import boto3
 import pytest
 
-from elasticyolo.testing.servers import S3Server
+from elasticyolo.local_cluster.servers import S3Server
 
 torch = pytest.importorskip("torch")
 from test_checkpoint_format import make_state, snapshot  # noqa: E402  (sets the offline Ultralytics env)

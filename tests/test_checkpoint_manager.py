@@ -18,9 +18,9 @@ from structlog.testing import capture_logs
 
 from elasticyolo.checkpoint import CheckpointManager, list_manifests, open_store, read_latest, restore_latest
 from elasticyolo.checkpoint.adaptive import YoungDaly
-from elasticyolo.testing.checkpoint_faults import CrashingSerializer, CrashingStore, GatedSerializer, TruncatingStore
-from elasticyolo.testing.servers import S3Server, free_port
-from elasticyolo.testing.wait import wait_for
+from support.checkpoint_faults import CrashingSerializer, CrashingStore, GatedSerializer, TruncatingStore
+from elasticyolo.local_cluster.servers import S3Server, free_port
+from elasticyolo.local_cluster.wait import wait_for
 
 torch = pytest.importorskip("torch")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")

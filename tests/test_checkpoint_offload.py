@@ -14,8 +14,8 @@ from elasticyolo.checkpoint import CheckpointManager, open_store, restore_latest
 from elasticyolo.checkpoint.format import resume_fields  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
-from elasticyolo.testing.checkpoint_faults import RecordingSerializer  # noqa: E402
-from elasticyolo.testing.wait import wait_for  # noqa: E402
+from support.checkpoint_faults import RecordingSerializer  # noqa: E402
+from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
 from elasticyolo.train.core import TrainCore, quiet_ultralytics  # noqa: E402
 from elasticyolo.train.digest import params_digest  # noqa: E402
 from elasticyolo.train.state import build_core_checkpoint  # noqa: E402

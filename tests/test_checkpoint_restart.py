@@ -12,9 +12,9 @@ import torch
 
 from elasticyolo.checkpoint import open_store, read_latest, restore_latest
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.horovod_run import HorovodElasticJob
-from elasticyolo.testing.servers import S3Server
-from elasticyolo.testing.wait import wait_for
+from support.horovod_run import HorovodElasticJob
+from elasticyolo.local_cluster.servers import S3Server
+from elasticyolo.local_cluster.wait import wait_for
 
 BUCKET = "ckpt-restart"
 

@@ -11,12 +11,12 @@ from pathlib import Path
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.engines.progress import EtcdProgress
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.wait import wait_for
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.servers import EtcdCluster
-from elasticyolo.testing.wait import wait_for
 from elasticyolo.train.checkpointing import Checkpointer
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
+from elasticyolo.worker_runtime.progress import EtcdProgress
 
 
 def test_landed_checkpoint_reaches_status(tmp_path: Path, etcd_server: EtcdCluster, job_name: str) -> None:

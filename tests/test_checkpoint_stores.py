@@ -12,7 +12,7 @@ import pytest
 
 from elasticyolo.checkpoint.stores import PreconditionFailed, open_store
 from elasticyolo.errors import UnavailableError, UserError
-from elasticyolo.testing.servers import S3Server, free_port
+from elasticyolo.local_cluster.servers import S3Server, free_port
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 

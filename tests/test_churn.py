@@ -22,9 +22,9 @@ from typing import Iterator
 import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.servers import EtcdCluster
-from elasticyolo.testing.trace import coverage_by_epoch
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.trace import coverage_by_epoch
 
 N_TRAIN = 24
 TTL = 2

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import time
 
-from elasticyolo.testing.wait import wait_for
 from elasticyolo.cluster.election import LeaderElection, read_leader
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegistration, read_nodes
 from elasticyolo.errors import UnavailableError
-from elasticyolo.testing.servers import EtcdCluster
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.wait import wait_for
 
 
 def node(e: EtcdClient, keys: JobKeys, node_id: str, preemptible: bool = True, ttl: int = 3) -> NodeRegistration:

@@ -9,8 +9,8 @@ import pytest
 
 from elasticyolo.cluster.etcd import EtcdClient, LeaseNotFoundError, WatchEvent, parse_endpoints
 from elasticyolo.errors import UnavailableError, UserError
-from elasticyolo.testing.servers import EtcdCluster, free_port
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.servers import EtcdCluster, free_port
+from elasticyolo.local_cluster.wait import wait_for
 
 
 def test_kv_roundtrip_and_prefix(etcd_server: EtcdCluster, job_name: str) -> None:

@@ -11,7 +11,7 @@ import requests
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.errors import UserError
-from elasticyolo.testing.servers import EtcdCluster, EtcdPki
+from elasticyolo.local_cluster.servers import EtcdCluster, EtcdPki
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 

@@ -15,10 +15,10 @@ from elasticyolo import cost
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.errors import UserError
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, nodes_in_etcd
-from elasticyolo.testing.metadata_server import MetadataServer
-from elasticyolo.testing.servers import EtcdCluster, free_port
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess, nodes_in_etcd
+from elasticyolo.local_cluster.metadata_server import MetadataServer
+from elasticyolo.local_cluster.servers import EtcdCluster, free_port
+from elasticyolo.local_cluster.wait import wait_for
 
 
 def test_price_sources(tmp_path: Path) -> None:

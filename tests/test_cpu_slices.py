@@ -1,4 +1,4 @@
-"""A simulated node's CPUs (testing/cpu_slices.py): a process started through a node's prefix
+"""A simulated node's CPUs (local_cluster/cpu_slices.py): a process started through a node's prefix
 lands in the node's host cgroup and its children follow; one that enters the node's accelerator
 (train/sim_accelerator.py) is held to its quota on its own core; nodes are spread over the cores;
 a training worker trains on its accelerator while the agent, the zygote and the checkpoint
@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node, host_cpus
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node, host_cpus
+from elasticyolo.local_cluster.wait import wait_for
 from elasticyolo.train.sim_accelerator import HOROVOD_THREAD, INTERCONNECT_THREADS
 
 needs_cgroups = pytest.mark.skipif(cgroup_root() is None, reason="no writable cgroup CPU controller")
@@ -27,11 +27,11 @@ BURN = ("import json, time\nfrom elasticyolo.train import sim_accelerator\nsim_a
 
 
 def test_default_share_fits_the_busiest_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("elasticyolo.testing.cpu_slices.host_cpus", lambda: [0, 1])
+    monkeypatch.setattr("elasticyolo.local_cluster.cpu_slices.host_cpus", lambda: [0, 1])
     assert default_cpus_per_node(4) == pytest.approx(0.375)  # (2 - 0.5) / 4; two nodes per core
     assert default_cpus_per_node(3) == pytest.approx(0.375)  # two of the three share a core
     assert default_cpus_per_node(1) == pytest.approx(0.75)  # one core less the reserve's share
-    monkeypatch.setattr("elasticyolo.testing.cpu_slices.host_cpus", lambda: list(range(16)))
+    monkeypatch.setattr("elasticyolo.local_cluster.cpu_slices.host_cpus", lambda: list(range(16)))
     assert default_cpus_per_node(4) == pytest.approx(1 - 0.5 / 16)
 
 

@@ -1,5 +1,5 @@
 """CUDA graphs for the model's forward and backward (`train/graphs.py`), stepped on a CPU through a
-stand-in capture with the real one's buffer semantics (`testing/static_graphs.py`): the training
+stand-in capture with the real one's buffer semantics (`tests/support/static_graphs.py`): the training
 it gives equals eager training, gradients accumulate across micro-batches, BatchNorm's statistics
 survive the capture, a layout change captures again, and a capture that fails or disagrees with
 the eager model leaves training eager. What a CPU can say about the real capture: the captured
@@ -20,7 +20,7 @@ import elasticyolo.train  # noqa: E402,F401  (offline Ultralytics)
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.errors import UserError  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
-from elasticyolo.testing.static_graphs import static_buffer_capture  # noqa: E402
+from support.static_graphs import static_buffer_capture  # noqa: E402
 from elasticyolo.train.core import TrainCore  # noqa: E402
 from elasticyolo.train.graphs import GraphedForward, wants_cuda_graphs  # noqa: E402
 from elasticyolo.train.layout import apply_layout  # noqa: E402

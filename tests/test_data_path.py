@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.errors import UserError  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
-from elasticyolo.testing.pty import run_on_pty  # noqa: E402
+from support.pty import run_on_pty  # noqa: E402
 from elasticyolo.train.core import TrainCore, quiet_ultralytics  # noqa: E402
 from elasticyolo.train.loop import TrainingLoop  # noqa: E402
 

@@ -16,14 +16,14 @@ import boto3
 import botocore.config
 import pytest
 
-from elasticyolo.testing.wait import wait_for
-from elasticyolo.data.staging import StagingError, Stager, resolve_data_yaml
-from elasticyolo.data.staging_cache import CacheFullError, DatasetCache, DatasetLock
-from elasticyolo.data.staging_upload import upload_dataset
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.data.yaml_check import load_data_yaml
-from elasticyolo.testing.s3proxy import S3FaultProxy
-from elasticyolo.testing.servers import S3Server
+from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.staging.cache import CacheFullError, DatasetCache, DatasetLock
+from elasticyolo.staging.stager import StagingError, Stager, resolve_data_yaml
+from elasticyolo.staging.upload import upload_dataset
+from support.s3proxy import S3FaultProxy
+from elasticyolo.local_cluster.servers import S3Server
 
 MiB = 1024 * 1024
 
@@ -72,7 +72,7 @@ def test_stage_verifies_reuses_and_follows_changes(tmp_path: Path, dataset: Path
     monkeypatch.setenv("ELASTICYOLO_DATA_CACHE", str(cache.root))
     data = load_data_yaml(uri)
     assert data["train"] == str(files / "images" / "train") and data["nc"] == 3
-    from elasticyolo.data.staging import release
+    from elasticyolo.staging.stager import release
 
     release(uri)  # a training process keeps its shared lock; this test changes the dataset next
 
@@ -92,8 +92,8 @@ def test_stage_verifies_reuses_and_follows_changes(tmp_path: Path, dataset: Path
 
 _STAGE_SCRIPT = """
 import sys
-from elasticyolo.data.staging import Stager
-from elasticyolo.data.staging_cache import DatasetCache
+from elasticyolo.staging.cache import DatasetCache
+from elasticyolo.staging.stager import Stager
 Stager(DatasetCache(sys.argv[1]), max_concurrency=2, large_object_bytes=4 << 20, segment_bytes=1 << 20).stage(sys.argv[2])
 """
 
@@ -126,7 +126,7 @@ def test_interrupted_staging_resumes(tmp_path: Path, dataset: Path, bucket: str,
     assert 6 <= len(journaled) < len(_files(dataset)) and 2 <= segs_done < 12
 
     proxy.get_delay_s, proxy.gets = 0.0, type(proxy.gets)()
-    from elasticyolo.data.staging import s3_client
+    from elasticyolo.staging.stager import s3_client
 
     stager = Stager(cache, max_concurrency=2, large_object_bytes=4 * MiB, segment_bytes=MiB,
                     client=s3_client({"endpoint_url": proxy.endpoint_url}, 2))
@@ -148,7 +148,7 @@ def test_corrupt_object_is_detected(tmp_path: Path, dataset: Path, bucket: str, 
     plain = boto3.client("s3", config=botocore.config.Config(request_checksum_calculation="when_required"))
     key = "shapes/images/train/train_00003.png"
     plain.upload_fileobj(io.BytesIO((dataset / "images/train/train_00003.png").read_bytes()), bucket, key)
-    from elasticyolo.data.staging import s3_client
+    from elasticyolo.staging.stager import s3_client
 
     client = s3_client({"endpoint_url": proxy.endpoint_url}, 4)
     cache = DatasetCache(tmp_path / "cache")
@@ -208,7 +208,7 @@ def test_verification_without_an_md5_etag(tmp_path: Path) -> None:
     import base64
     import hashlib
 
-    from elasticyolo.data.staging import SourceRef, RemoteObject
+    from elasticyolo.staging.stager import SourceRef, RemoteObject
 
     body = b"x" * 1000
     sha = base64.b64encode(hashlib.sha256(body).digest()).decode()
@@ -235,7 +235,7 @@ def test_verification_without_an_md5_etag(tmp_path: Path) -> None:
 
 
 def test_data_cli(tmp_path: Path, dataset: Path, bucket: str) -> None:
-    from elasticyolo.testing.agents import ELASTICYOLO
+    from elasticyolo.local_cluster.agents import ELASTICYOLO
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([ELASTICYOLO, "data", *args], capture_output=True, text=True, timeout=60)

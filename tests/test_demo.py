@@ -16,8 +16,8 @@ import pytest
 from elasticyolo.cli import main
 from elasticyolo.cost import load_price_table
 from elasticyolo.demo import BUCKET, PRICE_TABLE, RUN_FILES, download_run_folder
-from elasticyolo.testing.metadata_server import MetadataServer
-from elasticyolo.testing.servers import MOTO_EXTRA, S3Server
+from elasticyolo.local_cluster.metadata_server import MetadataServer
+from elasticyolo.local_cluster.servers import MOTO_EXTRA, S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -191,11 +191,11 @@ def test_iam_policy_enforced_by_the_s3_server(tmp_path: Path, monkeypatch: pytes
     SSE-KMS); it cannot write datasets or read outside its prefixes. (moto enforces actions and
     resources; it ignores conditions, which real IAM applies on top.)"""
     from elasticyolo.checkpoint.stores import open_store
-    from elasticyolo.data.staging import Stager
-    from elasticyolo.data.staging_cache import DatasetCache
-    from elasticyolo.data.staging_upload import upload_dataset
     from elasticyolo.data.synth import SynthSpec, write_dataset
-    from elasticyolo.testing.servers import S3Server
+    from elasticyolo.local_cluster.servers import S3Server
+    from elasticyolo.staging.cache import DatasetCache
+    from elasticyolo.staging.stager import Stager
+    from elasticyolo.staging.upload import upload_dataset
 
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with S3Server() as srv:

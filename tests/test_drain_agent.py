@@ -9,8 +9,8 @@ import pytest
 from elasticyolo.agent.drain import SpotDrain
 from elasticyolo.config import load_agent_config
 from elasticyolo.errors import UserError
+from elasticyolo.local_cluster.metadata_server import MetadataServer
 from elasticyolo.status import render_table
-from elasticyolo.testing.metadata_server import MetadataServer
 
 
 def cfg(flags: dict, env: dict | None = None):  # type: ignore[no-untyped-def]

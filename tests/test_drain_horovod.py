@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.metadata_server import MetadataServer
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.metadata_server import MetadataServer
 
 N_TRAIN = 32
 START_S, STEP_S = 240, 120

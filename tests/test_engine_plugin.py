@@ -21,10 +21,10 @@ from elasticyolo.cluster.jobs import submit_spec
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.engines import registry
+from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess, nodes_in_etcd
+from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.processes import running
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, nodes_in_etcd
-from elasticyolo.testing.processes import running
-from elasticyolo.testing.wait import wait_for
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 ENGINES = "tiny=tiny_engine:ENGINE"

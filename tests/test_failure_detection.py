@@ -28,10 +28,10 @@ import psutil
 import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.processes import running
-from elasticyolo.testing.servers import EtcdCluster
-from elasticyolo.testing.trace import coverage_by_epoch, pids_by_rank
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.trace import coverage_by_epoch, pids_by_rank
+from elasticyolo.processes import running
 
 N_TRAIN = 24
 TTL = 10  # the lease cannot be what detects a loss within these tests' deadlines

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.testing.servers import EtcdCluster
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.servers import EtcdCluster
 
 MISSING = "data.yaml not found"
 

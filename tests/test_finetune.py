@@ -25,14 +25,14 @@ from elasticyolo.checkpoint import open_store
 from elasticyolo.checkpoint.catalog import list_manifests
 from elasticyolo.checkpoint.format import load_checkpoint_file
 from elasticyolo.checkpoint.restore import download_verified
-from elasticyolo.data.staging import StagingError, Stager, resolve_for_spec
-from elasticyolo.data.staging_cache import DatasetCache
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.errors import UserError
+from elasticyolo.processes import running
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.processes import running
-from elasticyolo.testing.pty import run_on_pty
-from elasticyolo.testing.servers import S3Server
+from elasticyolo.staging.cache import DatasetCache
+from elasticyolo.staging.stager import StagingError, Stager, resolve_for_spec
+from support.pty import run_on_pty
+from elasticyolo.local_cluster.servers import S3Server
 
 ELASTICYOLO = str(Path(sys.executable).with_name("elasticyolo"))
 FROZEN = 10  # freeze=10: yolov8n's backbone (layers 0-9)

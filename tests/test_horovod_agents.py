@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.processes import running
-from elasticyolo.testing.trace import assert_each_epoch_exactly_once
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.trace import assert_each_epoch_exactly_once
+from elasticyolo.processes import running
 from elasticyolo.train.policy import nominal_accumulate, resize_ramp
 
 N_TRAIN = 24

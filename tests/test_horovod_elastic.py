@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.horovod_run import HorovodElasticJob
-from elasticyolo.testing.trace import assert_each_epoch_exactly_once
+from support.horovod_run import HorovodElasticJob
+from elasticyolo.local_cluster.trace import assert_each_epoch_exactly_once
 from elasticyolo.train.policy import resize_ramp
 
 N_TRAIN = 48

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 
 from elasticyolo.engines.horovod.registry import GuardedWorkerRegistry
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.wait import wait_for
 
 
 class Hosts:

@@ -11,7 +11,7 @@ import urllib.request
 from horovod.runner.common.util.hosts import SlotInfo
 
 from elasticyolo.engines.horovod.rendezvous import BoundRendezvousServer, rendezvous_handler
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.wait import wait_for
 
 
 class Registry:

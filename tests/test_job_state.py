@@ -14,7 +14,7 @@ from elasticyolo.cluster.job_state import (ACTIVE_STATES, ENDED_STATES, JobEvent
 from elasticyolo.cluster.jobs import read_job_state, set_job_state, submit_spec
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.servers import EtcdCluster
+from elasticyolo.local_cluster.servers import EtcdCluster
 
 S, R, D, F, C = JobState.SUBMITTED, JobState.RUNNING, JobState.DONE, JobState.FAILED, JobState.CANCELLED
 E = JobEvent

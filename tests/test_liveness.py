@@ -18,8 +18,8 @@ import pytest
 from elasticyolo.cluster.etcd import b64
 from elasticyolo.cluster.liveness import LivenessClient, LivenessServer, PeerTable, Verdict, changed, verdict
 from elasticyolo.engines.horovod.failures import SlotFacts, slot_outcome
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 

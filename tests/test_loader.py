@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from elasticyolo.testing.wait import wait_for  # noqa: E402
-from elasticyolo.testing.loader_data import IndexDataset, built  # noqa: E402
+from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
+from support.loader_data import IndexDataset, built  # noqa: E402
 from elasticyolo.train.loader import BatchLoader, LoaderError, Request  # noqa: E402
 from elasticyolo.train.loader_worker import CLOSED_MOSAIC  # noqa: E402
 from elasticyolo.train.sampler import ElasticSampler  # noqa: E402
@@ -163,7 +163,8 @@ def test_workers_exit_with_the_training_process(tmp_path: Path) -> None:
     import psutil
 
     code = ("import sys, time\n"
-            "from elasticyolo.testing.loader_data import IndexDataset\n"
+            f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})  # tests/, for support.loader_data\n"
+            "from support.loader_data import IndexDataset\n"
             "from elasticyolo.train.loader import BatchLoader\n"
             "if __name__ == '__main__':\n"
             "    ld = BatchLoader({'d': IndexDataset(10)}, None, workers=2)\n"

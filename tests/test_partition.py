@@ -1,5 +1,5 @@
 """Network partitions and their healing: real etcd, real agents, real Horovod workers,
-every node in a network namespace of its own (`elasticyolo/testing/netns.py`: veths to a bridge in
+every node in a network namespace of its own (`tests/support/netns.py`: veths to a bridge in
 a hub namespace, nothing in the root namespace, no default route). A cut sets a node's link down.
 
 One start-up, three nodes at world 3 (lease TTL 4 s, heartbeat timeout 2 s):
@@ -34,11 +34,11 @@ import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.engines.horovod.failures import etcd_answers, excluded_hosts
-from elasticyolo.testing import netns
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.netns import NetLab, NetnsEtcdReader
-from elasticyolo.testing.servers import EtcdCluster
-from elasticyolo.testing.trace import coverage_by_epoch, pids_by_rank
+from support import netns
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from support.netns import NetLab, NetnsEtcdReader
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.trace import coverage_by_epoch, pids_by_rank
 
 N_TRAIN = 24
 TTL = 4  # heartbeat timeout: the default, min(2, 0.75 x TTL) = 2 s

@@ -22,15 +22,15 @@ import boto3
 import psutil
 import pytest
 
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.testing.wait import wait_for
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
-from elasticyolo.data.staging_upload import upload_dataset
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.errors import UserError
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.s3proxy import S3FaultProxy
-from elasticyolo.testing.servers import EtcdCluster, EtcdPki, S3Server
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.staging.upload import upload_dataset
+from support.s3proxy import S3FaultProxy
+from elasticyolo.local_cluster.servers import EtcdCluster, EtcdPki, S3Server
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None or shutil.which("etcdctl") is None,
                                 reason="openssl and etcdctl are needed")

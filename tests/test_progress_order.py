@@ -1,4 +1,4 @@
-"""`EtcdProgress` (engines/progress.py): of one key's records, an older one never overwrites a
+"""`EtcdProgress` (worker_runtime/progress.py): of one key's records, an older one never overwrites a
 newer one, whichever of its writers (the publisher thread, the final flush, checkpoint threads)
 gets to etcd last. A fake client: this is the sink's own ordering, not etcd's."""
 
@@ -9,8 +9,8 @@ import threading
 import time
 
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.engines.progress import EtcdProgress
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.worker_runtime.progress import EtcdProgress
+from elasticyolo.local_cluster.wait import wait_for
 
 
 class SlowFirstPut:

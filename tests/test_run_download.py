@@ -14,7 +14,7 @@ import boto3
 import pytest
 
 from elasticyolo.checkpoint.stores import open_store
-from elasticyolo.testing.servers import S3Server
+from elasticyolo.local_cluster.servers import S3Server
 from elasticyolo.train.run_publish import RunPublisher
 
 BUCKET = "run-download"

@@ -14,9 +14,9 @@ from elasticyolo.checkpoint import manager_for_spec, open_store
 from elasticyolo.cluster.secrets import PASSWORD_ENV, PASSWORD_FILE_ENV, child_password_env, password_from_env
 from elasticyolo.config import load_agent_config
 from elasticyolo.errors import UserError
+from elasticyolo.local_cluster.servers import S3Server
 from elasticyolo.s3options import s3_options
 from elasticyolo.spec import TrainSpec
-from elasticyolo.testing.servers import S3Server
 
 KMS = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
 

@@ -12,9 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from elasticyolo.local_cluster.wait import in_threads  # noqa: E402
 from elasticyolo.train.snapshots import LocalSnapshots, read_snapshot, restore_newest, write_snapshot  # noqa: E402
 from elasticyolo.train.state import STATE_FORMAT, core_state  # noqa: E402
-from elasticyolo.testing.wait import in_threads  # noqa: E402
 
 
 class _Ema:

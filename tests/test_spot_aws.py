@@ -9,9 +9,9 @@ import pytest
 
 from elasticyolo.spot import make_watcher
 from elasticyolo.spot.aws import AwsSource
-from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
-from elasticyolo.testing.servers import free_port
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.metadata_server import MetadataServer, loopback_only
+from elasticyolo.local_cluster.servers import free_port
+from elasticyolo.local_cluster.wait import wait_for
 from spot_support import Collector, polls_pass
 
 POLL = 0.1

@@ -8,10 +8,10 @@ from typing import Iterator
 import pytest
 import requests
 
+from elasticyolo.local_cluster.metadata_server import MetadataServer, loopback_only
 from elasticyolo.spot import Notice, make_watcher
 from elasticyolo.spot.azure import AzureSource
 from elasticyolo.spot.notice import parse_rfc1123
-from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 
 from spot_support import Collector, polls_pass
 

@@ -9,9 +9,9 @@ import pytest
 
 from elasticyolo.errors import UserError
 from elasticyolo.spot import Notice, make_watcher, probe
-from elasticyolo.testing.metadata_server import MetadataServer, MetadataServerProcess, loopback_only
-from elasticyolo.testing.servers import free_port
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.metadata_server import MetadataServer, MetadataServerProcess, loopback_only
+from elasticyolo.local_cluster.servers import free_port
+from elasticyolo.local_cluster.wait import wait_for
 from spot_support import polls_pass
 
 

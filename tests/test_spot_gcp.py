@@ -8,9 +8,9 @@ from typing import Iterator
 import pytest
 import requests
 
+from elasticyolo.local_cluster.metadata_server import MetadataServer, loopback_only
 from elasticyolo.spot import Notice, NoticeWatcher, make_watcher
 from elasticyolo.spot.gcp import GcpSource
-from elasticyolo.testing.metadata_server import MetadataServer, loopback_only
 
 from spot_support import Collector, polls_pass
 

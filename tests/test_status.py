@@ -7,13 +7,13 @@ import subprocess
 import sys
 import time
 
-from elasticyolo.testing.agents import ELASTICYOLO
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.registry import NodeRecord
+from elasticyolo.local_cluster.agents import ELASTICYOLO
 from elasticyolo.status import collect, render_table
-from elasticyolo.testing.pty import run_on_pty
-from elasticyolo.testing.servers import EtcdCluster
+from support.pty import run_on_pty
+from elasticyolo.local_cluster.servers import EtcdCluster
 
 
 def seed(e: EtcdClient, keys: JobKeys) -> None:

@@ -1,6 +1,6 @@
-"""The package's structure rules, checked from the source: no import cycles, the agent side stays
-torch-free, one rule each for job names, spot providers, the worker environment and
-die-with-parent, and the docs cite only files that exist."""
+"""The package's structure rules, checked from the source: no import cycles, no import up a layer,
+the agent side stays torch-free, one rule each for job names, spot providers, the worker
+environment and die-with-parent, and the docs cite only files that exist."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticyolo.testing.processes import running
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.processes import running
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "elasticyolo"
@@ -115,6 +115,64 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
 
 
+# ---- layers -------------------------------------------------------------------------------------
+# The package's layers, lowest first. A module imports only from its own layer and the layers
+# below it, lazily or not. A module belongs to the layer of the longest entry that names it or a
+# package above it (`engines.registry` is below the rest of `engines`: the spec checks engine
+# names against it; `worker_runtime.worker_env` is below the rest of `worker_runtime`: it is the
+# environment contract that `config.py` and `train/` read too).
+LAYERS: list[set[str]] = [
+    # foundations: errors, logging, processes, S3 options, prices; the tensor memory layout (torch only)
+    {"elasticyolo", "errors", "log", "yamlfile", "priority", "processes", "exit_hooks", "mp", "s3options",
+     "weights_file", "run_layout", "cost", "train.layout"},
+    {"checkpoint.stores"},  # object stores: s3://, file://
+    {"staging"},  # s3:// datasets and weights staged into a node cache
+    {"models", "spec", "engines.registry"},  # what a job is: the spec, its weights, its engine's name
+    {"cluster", "spot"},  # etcd (keys, jobs, nodes, election, liveness) and the clouds' interruption notices
+    {"checkpoint"},  # checkpoints: format, manager, restore, catalog
+    {"config", "worker_runtime.worker_env"},  # the agent's configuration and the workers' environment
+    {"report"},  # a run's timeline
+    {"data", "train"},  # the engine-neutral training core
+    {"worker_runtime"},  # what every engine's workers run on: spawn, lifeline, zygote, warm pool, progress
+    {"status"},  # the job as `elasticyolo status` shows it
+    {"agent"},  # the node daemon and its plug-ins
+    {"engines"},  # the engine interface and the engines
+    {"local_cluster", "chaos", "demo"},  # a cluster on 127.0.0.1; the demo and the chaos replay run on it
+    {"commands", "cli"},  # the command line
+]
+
+
+def layer_of(module: str, layers: list[set[str]] = LAYERS) -> int:
+    """The index of `module`'s layer in `layers` (entries relative to `elasticyolo`)."""
+    best: tuple[int, int] | None = None  # (entry length, layer)
+    for index, entries in enumerate(layers):
+        for entry in entries:
+            name = "elasticyolo" if entry == "elasticyolo" else f"elasticyolo.{entry}"
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > best[0]):
+                best = (len(name), index)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[1]
+
+
+def imports_up_a_layer(graph: dict[str, dict[str, int]], layers: list[set[str]] = LAYERS) -> list[str]:
+    return sorted(f"{a} -> {b} (line {line})" for a, edges in graph.items() for b, line in edges.items()
+                  if layer_of(b, layers) > layer_of(a, layers))
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    graph = import_graph()
+    up = imports_up_a_layer(graph)
+    assert not up, "imports that run up a layer (see LAYERS): " + "; ".join(up)
+
+
+def test_the_layer_check_finds_an_import_up_a_layer() -> None:
+    layers = [{"log"}, {"cluster"}, {"engines"}]
+    graph = {"elasticyolo.log": {}, "elasticyolo.cluster.etcd": {"elasticyolo.log": 3},
+             "elasticyolo.engines.node": {"elasticyolo.cluster.etcd": 5},
+             "elasticyolo.cluster.jobs": {"elasticyolo.engines.node": 9}}
+    assert imports_up_a_layer(graph, layers) == ["elasticyolo.cluster.jobs -> elasticyolo.engines.node (line 9)"]
+
+
 def test_agent_side_imports_no_torch() -> None:
     code = ("import sys\n"
             "import elasticyolo.commands.agent, elasticyolo.commands.status, elasticyolo.commands.worker\n"
@@ -179,10 +237,11 @@ def test_one_spot_provider_list() -> None:
 
 
 def test_worker_env_round_trip_and_one_set_of_names() -> None:
-    from elasticyolo.cluster import connect, settings
+    from elasticyolo.cluster import settings
+    from elasticyolo.commands import connect
     from elasticyolo.cluster.settings import EtcdSettings
-    from elasticyolo.engines import worker_env
-    from elasticyolo.engines.worker_env import WorkerEnv
+    from elasticyolo.worker_runtime import worker_env
+    from elasticyolo.worker_runtime.worker_env import WorkerEnv
 
     env = WorkerEnv(etcd=EtcdSettings("127.0.0.1:1,127.0.0.1:2", ca="/ca.pem", cert="/c.pem", key="/k.pem",
                                       user="u", password="secret"),
@@ -202,10 +261,10 @@ def test_worker_env_round_trip_and_one_set_of_names() -> None:
 
 # ---- die with the parent --------------------------------------------------------------------------
 _CHILD = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(float(sys.argv[2]));"
-          "from elasticyolo.engines.lifeline import die_with_agent; die_with_agent();"
+          "from elasticyolo.worker_runtime.lifeline import die_with_agent; die_with_agent();"
           "open(sys.argv[1] + '.armed', 'w').close(); time.sleep(60)")
 # The parent starts the child through the spawn helper (its pid in the child's environment).
-_PARENT = ("import sys, time; from elasticyolo.engines.spawn import spawn;"
+_PARENT = ("import sys, time; from elasticyolo.worker_runtime.spawn import spawn;"
            "spawn([sys.executable, '-c', sys.argv[1], sys.argv[2], sys.argv[3]], dict(__import__('os').environ),"
            " capture_output=False); time.sleep(float(sys.argv[4]))")
 

@@ -24,14 +24,14 @@ from typing import Iterator
 import boto3
 import pytest
 
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.data.staging_upload import upload_dataset
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.testing.servers import EtcdCluster, S3Server, free_port
-from elasticyolo.testing.systemd_container import SystemdContainer
-from elasticyolo.testing.unit_jobs import SandboxedAgent
-from elasticyolo.testing.unit_sandbox import UnitSandbox, expand_syscall_filter
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.servers import EtcdCluster, S3Server, free_port
+from elasticyolo.staging.upload import upload_dataset
+from support.systemd_container import SystemdContainer
+from support.unit_jobs import SandboxedAgent
+from support.unit_sandbox import UnitSandbox, expand_syscall_filter
+from elasticyolo.local_cluster.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = REPO / "systemd" / "elasticyolo-agent.service"

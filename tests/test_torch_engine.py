@@ -20,16 +20,16 @@ import pytest
 
 pytest.importorskip("torch")
 
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess  # noqa: E402
 from elasticyolo.cluster.etcd import EtcdClient  # noqa: E402
 from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
-from elasticyolo.engines.prewarm import WARMING_EVENT  # noqa: E402
+from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess  # noqa: E402
+from elasticyolo.local_cluster.trace import coverage_by_epoch, read_trace  # noqa: E402
+from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
+from elasticyolo.processes import running  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
-from elasticyolo.testing.processes import running  # noqa: E402
-from elasticyolo.testing.trace import coverage_by_epoch, read_trace  # noqa: E402
-from elasticyolo.testing.wait import wait_for  # noqa: E402
+from elasticyolo.worker_runtime.prewarm import WARMING_EVENT  # noqa: E402
 
 N_TRAIN = 32
 # Short rendezvous timeouts: a dead node leaves after keep_alive_interval * max_attempt seconds.
@@ -185,7 +185,7 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     # execution of each step).
     loaders = job.events("loader")
     assert loaders and all(e["workers"] == 2 for e in loaders), loaders
-    # Every round's worker was a warm one forked from its node's zygote (engines/zygote.py), not
+    # Every round's worker was a warm one forked from its node's zygote (worker_runtime/zygote.py), not
     # a fresh process started because the zygote failed.
     warming = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == WARMING_EVENT]
     assert len(warming) >= 4 and all(r.get("forked") for r in warming), warming
@@ -373,7 +373,7 @@ def test_status_shows_progress_and_last_checkpoint_of_a_running_torch_job(etcd_s
     """Progress and checkpoint publishing are engine-neutral: `status --json` of a torch job."""
     import subprocess
 
-    from elasticyolo.testing.agents import ELASTICYOLO
+    from elasticyolo.local_cluster.agents import ELASTICYOLO
 
     def status() -> dict[str, Any]:
         out = subprocess.run([ELASTICYOLO, "status", "--etcd", etcd_server.endpoints, "--job", job_name, "--json"],

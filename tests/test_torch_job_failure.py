@@ -20,8 +20,8 @@ pytest.importorskip("torch")
 
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.engines.crash_loop import ALL_CRASH_LIMIT, RECORD_FIELD  # noqa: E402
-from elasticyolo.testing.agent_cluster import AgentCluster  # noqa: E402
-from elasticyolo.testing.servers import EtcdCluster  # noqa: E402
+from elasticyolo.local_cluster.agent_cluster import AgentCluster  # noqa: E402
+from elasticyolo.local_cluster.servers import EtcdCluster  # noqa: E402
 
 # Short rendezvous timeouts (tests/test_torch_engine.py): a round forms in about a second.
 RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,read_timeout=60"

@@ -9,8 +9,8 @@ import time
 from types import SimpleNamespace
 
 from elasticyolo.engines.torch.node import LauncherProcess, TorchNode
-from elasticyolo.engines.worker_env import WorkerEnv
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.worker_runtime.worker_env import WorkerEnv
 
 # A launcher that swallowed its SIGTERM (seen in CI: it trained on 17 s, to the drain deadline).
 DEAF = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"]

@@ -28,7 +28,7 @@ from elasticyolo.engines.torch.rendezvous import (  # noqa: E402
     EtcdStore,
     create_handler,
 )
-from elasticyolo.testing.wait import in_threads, wait_for  # noqa: E402
+from elasticyolo.local_cluster.wait import in_threads, wait_for  # noqa: E402
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_corrupt_state_raises_state_error(backend: EtcdRendezvousBackend, junk: 
 
 
 def test_unreachable_etcd_raises_connection_error(job_name: str) -> None:
-    from elasticyolo.testing.servers import free_port
+    from elasticyolo.local_cluster.servers import free_port
 
     b = EtcdRendezvousBackend(f"127.0.0.1:{free_port()}", job_name, retry_window=0.3, timeout=0.5)
     with pytest.raises(RendezvousConnectionError):

@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("torch")
 
 from elasticyolo.engines.torch.rendezvous import EtcdRendezvousBackend  # noqa: E402
-from elasticyolo.testing.processes import running  # noqa: E402
-from elasticyolo.testing.wait import wait_for  # noqa: E402
+from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
+from elasticyolo.processes import running  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "torch_scripts"

@@ -22,9 +22,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from elasticyolo.testing.servers import EtcdCluster
-from elasticyolo.testing.wait import wait_for
-from elasticyolo.testing.wheel import (BOOTSTRAP, REPO, TEST_PACKAGES, build_wheel, canonical, clean_env,
+from elasticyolo.local_cluster.servers import EtcdCluster
+from elasticyolo.local_cluster.wait import wait_for
+from support.wheel import (BOOTSTRAP, REPO, TEST_PACKAGES, build_wheel, canonical, clean_env,
                                        installed_packages, system_python)
 
 WHEELHOUSE = Path(os.environ.get("ELASTICYOLO_WHEELHOUSE", Path.home() / ".cache" / "elasticyolo" / "wheelhouse"))

@@ -12,13 +12,13 @@ from typing import Any
 
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.engines.worker_errors import (MAX_REASON_CHARS, WorkerErrors, failure_reason, one_line, read_pending,
+from elasticyolo.worker_runtime.worker_errors import (MAX_REASON_CHARS, WorkerErrors, failure_reason, one_line, read_pending,
                                                reason_text, record, signal_reason)
 from elasticyolo.errors import UnavailableError
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.servers import EtcdCluster
 from elasticyolo.log import get_logger
 from elasticyolo.status import collect, render_table
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.testing.servers import EtcdCluster
 
 
 def test_reasons_are_one_capped_line_and_shared_ones_are_named_once() -> None:
@@ -81,7 +81,7 @@ def test_the_agent_publishes_errors_and_the_failed_job_carries_them(etcd_server:
 
 def test_a_torch_workers_record_names_its_round_and_whether_it_reached_a_peer(tmp_path: Path,
                                                                            monkeypatch: Any) -> None:
-    from elasticyolo.engines import worker_errors
+    from elasticyolo.worker_runtime import worker_errors
 
     env = {"ELASTICYOLO_PARENT_PID": "900", "ELASTICYOLO_WORKER_DIR": str(tmp_path), "TORCHELASTIC_RESTART_COUNT": "2"}
     warm = {k: v for k, v in env.items() if k != "TORCHELASTIC_RESTART_COUNT"}  # a warm worker before its round

@@ -1,4 +1,4 @@
-"""The warm pool's zygote (engines/zygote.py): children forked from a real zygote process behave as
+"""The warm pool's zygote (worker_runtime/zygote.py): children forked from a real zygote process behave as
 the fresh processes they replace (stdin, stdout, exit codes, signals, session, environment,
 working directory, lifeline), and the zygote outlives a close only as long as its children; the
 same for a zygote forked from its owner (the torch launcher's)."""
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from elasticyolo.engines.spawn import child_env
-from elasticyolo.engines.worker_env import ENV_PARENT_PID, WorkerEnv
-from elasticyolo.engines.zygote import Zygote, ZygoteError
-from elasticyolo.testing.processes import running
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.processes import running
+from elasticyolo.worker_runtime.spawn import child_env
+from elasticyolo.worker_runtime.worker_env import ENV_PARENT_PID, WorkerEnv
+from elasticyolo.worker_runtime.zygote import Zygote, ZygoteError
 
 PROBE = """
 import gc, json, os, sys
@@ -40,7 +40,7 @@ def zygote(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.M
     (`Zygote.fork_here`, as the torch launcher does), which finds modules on the owner's path."""
     (tmp_path / "zprobe.py").write_text(textwrap.dedent(PROBE))
     if request.param == "spawned":
-        z = Zygote(["json"], {**os.environ, "PYTHONPATH": str(tmp_path)}, WorkerEnv(), cwd=tmp_path)
+        z = Zygote(["json"], _path_env(tmp_path), WorkerEnv(), cwd=tmp_path)
     else:
         monkeypatch.syspath_prepend(str(tmp_path))
         z = Zygote.fork_here(["json"])
@@ -49,6 +49,12 @@ def zygote(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.M
     yield z
     z.kill()
     wait_for(lambda: z.proc.poll() is not None, 30, "the killed zygote reaped")
+
+
+def _path_env(tmp_path: Path) -> dict[str, str]:
+    """This environment with `tmp_path` (the probe modules) first on the zygote's path: the zygote
+    imports elasticyolo from wherever this process does."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
 
 
 def _fork(z: Zygote, tmp_path: Path, **env: str):  # type: ignore[no-untyped-def]
@@ -103,7 +109,7 @@ def test_a_closed_zygote_waits_for_its_children_and_a_killed_one_takes_them(zygo
     wait_for(lambda: not zygote.alive, 30, "the zygote exits after its last child")
 
     # A killed zygote takes its children down (their lifeline) and says so.
-    z2 = Zygote(["json"], {**os.environ, "PYTHONPATH": str(tmp_path)}, WorkerEnv(), cwd=tmp_path)
+    z2 = Zygote(["json"], _path_env(tmp_path), WorkerEnv(), cwd=tmp_path)
     try:
         orphan = _fork(z2, tmp_path)
         orphan.stdin.write(b"wait\n")
@@ -118,9 +124,9 @@ def test_a_closed_zygote_waits_for_its_children_and_a_killed_one_takes_them(zygo
 
 OWNER = """
 import os, sys
-from elasticyolo.engines.spawn import child_env
-from elasticyolo.engines.zygote import Zygote
 from elasticyolo.exit_hooks import at_exit
+from elasticyolo.worker_runtime.spawn import child_env
+from elasticyolo.worker_runtime.zygote import Zygote
 
 marks = sys.argv[1]
 

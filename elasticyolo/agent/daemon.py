@@ -34,10 +34,10 @@ from elasticyolo.cluster.registry import NodeIdTakenError, NodeRecord, NodeRegis
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.config import AgentConfig
 from elasticyolo.cost import NodePrice, load_price_table, resolve_price
-from elasticyolo.engines.prewarm import prewarm_enabled
 from elasticyolo.errors import UnavailableError, UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
+from elasticyolo.worker_runtime.prewarm import prewarm_enabled
 
 EVENTS_KEPT = 1000
 

@@ -100,7 +100,7 @@ def prepare(o: ReplayOptions) -> Prepared:
     if o.cpus_per_node is not None and not (o.cpus_per_node >= 0 and math.isfinite(o.cpus_per_node)):
         raise TraceError(f"--cpus-per-node {o.cpus_per_node:g}: a CPU count >= 0")
     if o.cpus_per_node:
-        from elasticyolo.testing.cpu_slices import cgroup_root
+        from elasticyolo.local_cluster.cpu_slices import cgroup_root
 
         if cgroup_root() is None:
             raise TraceError(f"--cpus-per-node {o.cpus_per_node:g}: no writable cgroup CPU controller on this host")
@@ -202,7 +202,7 @@ def replay_services(o: ReplayOptions, spec: list[str], root: Path, notice_s: flo
     import boto3
 
     from elasticyolo.chaos.runner import ReplayEnv
-    from elasticyolo.testing.servers import EtcdCluster, S3Server
+    from elasticyolo.local_cluster.servers import EtcdCluster, S3Server
 
     with contextlib.ExitStack() as stack:
         slices = stack.enter_context(cpu_slices(o, say))
@@ -220,7 +220,7 @@ def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.Abstr
     """Each simulated node's accelerator, a CPU quota for its training, beside its host (testing/
     cpu_slices.py): without them, the nodes share the host's cores, and neither the ideal nor a
     join's cost is what separate machines would show."""
-    from elasticyolo.testing.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node
+    from elasticyolo.local_cluster.cpu_slices import CpuSlices, cgroup_root, default_cpus_per_node
 
     if o.cpus_per_node == 0:
         say("nodes share the host's CPUs (--cpus-per-node 0)")

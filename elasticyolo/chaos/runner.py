@@ -1,7 +1,7 @@
 """Apply a replay plan to a real local cluster (the executor; no torch in this process).
 
 One etcd, one S3 API server (moto) and one cloud metadata server per node, all on 127.0.0.1;
-real `elasticyolo agent` processes (testing/agent_cluster.py) training a real job whose workers
+real `elasticyolo agent` processes (local_cluster/agent_cluster.py) training a real job whose workers
 write JSONL traces. A system's run: bring up its initial world, wait until it trains steadily,
 then play the plan's actions on the replay clock and stop everything at the window's end.
 """
@@ -19,11 +19,11 @@ from typing import Any, Callable, Sequence
 
 from elasticyolo.chaos.measure import steady_rate
 from elasticyolo.chaos.schedule import Action, Plan
-from elasticyolo.engines.prewarm import WARM_EVENT, WARMING_EVENT
-from elasticyolo.testing.agent_cluster import AgentCluster
-from elasticyolo.testing.cpu_slices import CpuSlices
-from elasticyolo.testing.metadata_server import MetadataServer
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agent_cluster import AgentCluster
+from elasticyolo.local_cluster.cpu_slices import CpuSlices
+from elasticyolo.local_cluster.metadata_server import MetadataServer
+from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.worker_runtime.prewarm import WARM_EVENT, WARMING_EVENT
 
 Say = Callable[[str], None]
 ELASTIC_JOB, RESTART_JOB, REFERENCE_JOB = "replay-elastic", "replay-restart", "replay-reference"
@@ -49,7 +49,7 @@ class ReplayEnv:
     notice_s: float
     say: Say = print
     startup_timeout_s: float = 600.0
-    slices: CpuSlices | None = None  # one CPU quota per node (testing/cpu_slices.py), or shared CPUs
+    slices: CpuSlices | None = None  # one CPU quota per node (local_cluster/cpu_slices.py), or shared CPUs
 
 
 @dataclass
@@ -153,7 +153,7 @@ class _Nodes:
         self.wait(lambda: time.time() >= t, max(0.0, t - time.time()) + 5.0, "the replay clock", interval=0.02)
 
     def standbys_warm(self) -> bool:
-        """Every live node's newest warm worker (engines/prewarm.py logs when it starts warming and
+        """Every live node's newest warm worker (worker_runtime/prewarm.py logs when it starts warming and
         when it is warm) is warm: what the nodes keep ready for the next change is built."""
         for node in self.live():
             newest, warm = None, set()

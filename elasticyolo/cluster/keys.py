@@ -11,7 +11,7 @@
 | `launch/<node-id>/<local-rank>`   | leader (Horovod driver) | leader's | launch request: {"action": "start", "id", "env", "term", "at"}, or {"action": "stop", "id"} to withdraw it (a request that is merely gone stops nothing) |
 | `exit/<request-id>`               | the node's agent  | node lease | worker exit report: {"code","node","slot","at"} |
 | `events/<ms>-<node-id>-<seq>`     | any agent         | none       | {"at","node","kind","from","to","reason"} (leader trims old ones) |
-| `errors/<node-id>`                | that node's agent | none       | its workers' latest fatal error: {"node","slot","code","pid","reason","generation","at","joined","round"} (engines/worker_errors.py) |
+| `errors/<node-id>`                | that node's agent | none       | its workers' latest fatal error: {"node","slot","code","pid","reason","generation","at","joined","round"} (worker_runtime/worker_errors.py) |
 | `progress`                        | rank 0 worker     | none       | Progress: {"epoch","step","samples_s","world_size","loss","node","at"} |
 | `checkpoint/latest`               | rank 0 worker     | none       | the newest landed checkpoint: {"uri","epoch","step","at","size",...} |
 | `resume`                          | rank 0 worker     | none       | one per (re)start of training: {"step","world","lost_steps","reason","term","at"} |

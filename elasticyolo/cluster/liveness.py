@@ -5,7 +5,7 @@ signals feed the leader's driver:
 
 * **process death**: every agent keeps one TCP connection to the leader's agent. When an agent
   dies (SIGKILL, crash, reboot) the kernel closes its socket, so the leader sees EOF/RST at once:
-  that node is DEAD (its workers died with it: engines/lifeline.py). A deliberate close says
+  that node is DEAD (its workers died with it: worker_runtime/lifeline.py). A deliberate close says
   `bye` first (the agent moves to a new leader or stops) and is no verdict at all.
 * **node vanished** (no FIN/RST: power loss, network cut, a frozen VM or agent): the agent sends a
   heartbeat every `interval_s`; none for `timeout_s` makes the node SUSPECT. A suspect is only

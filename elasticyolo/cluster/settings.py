@@ -2,8 +2,8 @@
 place an `EtcdClient` is built from it.
 
 Every process gets its settings from one of: the agent config (`from_config`), the CLI's flags /
-environment / agent config file (`cluster/connect.py`), a worker's environment as its agent wrote
-it (`engines/worker_env.py`), or torchrun's `--rdzv-conf` plus the environment
+environment / agent config file (`commands/connect.py`), a worker's environment as its agent wrote
+it (`worker_runtime/worker_env.py`), or torchrun's `--rdzv-conf` plus the environment
 (`engines/torch/rendezvous.py`). All of them build their client with `EtcdSettings.client()`.
 Secrets (the password) never travel on a command line (`ps` shows it) nor through etcd; children
 get it as a file path (`ELASTICYOLO_ETCD_PASSWORD_FILE`, `cluster/secrets.py`), not as a value.

@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace, notifier: SystemdNotifier) -> int:
     from elasticyolo.agent.log_shipping import LogShipper
 
     shipper = LogShipper(cfg.node_id, cfg.job, time.time())  # from here on, the log goes to the job's store too
-    from elasticyolo.data.staging_agent import DataStagingHook  # s3:// datasets, before slots are offered
+    from elasticyolo.agent.staging import DataStagingHook  # s3:// datasets, before slots are offered
 
     spot = SpotDrain.from_config(cfg)  # a bad --metadata-url fails here, before anything starts
     itype_source = "config" if cfg.instance_type else None

@@ -6,7 +6,7 @@ import argparse
 import getpass
 import socket
 
-from elasticyolo.cluster.connect import add_etcd_arguments, client_from_args
+from elasticyolo.commands.connect import add_etcd_arguments, client_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "stage":
         from elasticyolo import log
-        from elasticyolo.data.staging import Stager
-        from elasticyolo.data.staging_cache import DatasetCache
+        from elasticyolo.staging.cache import DatasetCache
+        from elasticyolo.staging.stager import Stager
 
         log.configure("warning")
         cache = DatasetCache.from_settings(args.cache, args.max_gb)
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{result.seconds:.1f}s: {result.path}")
         return 0
     if args.action == "upload":
-        from elasticyolo.data.staging_upload import upload_dataset
+        from elasticyolo.staging.upload import upload_dataset
 
         n, size, seconds = upload_dataset(args.dir, args.uri, _options(args, args.uri), args.concurrency)
         print(f"uploaded {n} files ({size / 1e6:.1f} MB) to {args.uri} in {seconds:.1f}s: "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from elasticyolo.cluster.connect import add_etcd_arguments, client_from_args
+from elasticyolo.commands.connect import add_etcd_arguments, client_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterable
 
-from elasticyolo.cluster.connect import add_etcd_arguments, client_from_args
+from elasticyolo.commands.connect import add_etcd_arguments, client_from_args
 
 # Fields a log line shows in its prefix (node, time, level) or not at all.
 _HIDDEN = {"event", "level", "timestamp", "node", "job", "logger"}

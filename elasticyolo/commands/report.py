@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from elasticyolo.cluster.connect import add_etcd_arguments
+from elasticyolo.commands.connect import add_etcd_arguments
 from elasticyolo.errors import UserError
 
 STORE_ENV = "ELASTICYOLO_CHECKPOINT_STORE"
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         store.check()
     client = keys = None
     if args.etcd or os.environ.get("ELASTICYOLO_ETCD"):
-        from elasticyolo.cluster.connect import client_from_args
+        from elasticyolo.commands.connect import client_from_args
 
         client, keys = client_from_args(args)
     tl = gather(job, run_dir=args.run_dir, store=store, client=client, keys=keys)

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from elasticyolo.cluster.connect import add_etcd_arguments, client_from_args
+from elasticyolo.commands.connect import add_etcd_arguments, client_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

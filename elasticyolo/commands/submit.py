@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elasticyolo.cluster.connect import add_etcd_arguments, client_from_args
+from elasticyolo.commands.connect import add_etcd_arguments, client_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from elasticyolo.data.yaml_check import load_data_yaml
     from elasticyolo.models import require_model
 
-    from elasticyolo.data.staging import resolve_for_spec
+    from elasticyolo.staging.stager import resolve_for_spec
 
     resolve_for_spec(spec)  # an s3:// dataset is staged into the local cache first
     load_data_yaml(spec.data)  # fail fast with a clear line, before torch loads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from elasticyolo.engines.worker_env import ENV_SPEC, wait_prewarm_delay
+from elasticyolo.worker_runtime.worker_env import ENV_SPEC, wait_prewarm_delay
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,14 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def on_error(args: argparse.Namespace, message: str, code: int) -> None:
     """The worker's fatal error (the line the CLI prints) for its agent, which publishes it to the
-    job (`engines/worker_errors.py`)."""
-    from elasticyolo.engines.worker_errors import record
+    job (`worker_runtime/worker_errors.py`)."""
+    from elasticyolo.worker_runtime.worker_errors import record
 
     record(message, code, slot=args.prewarm_slot)
 
 
 def run(args: argparse.Namespace) -> int:
-    from elasticyolo.engines.lifeline import die_with_agent
+    from elasticyolo.worker_runtime.lifeline import die_with_agent
 
     die_with_agent()  # started by an agent (or its torch launcher): die with it
     if args.prewarm_slot is not None:

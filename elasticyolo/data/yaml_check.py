@@ -31,9 +31,9 @@ def _resolve(base: Path, entry: Any, key: str, where: str) -> list[str]:
 def load_data_yaml(path: str | Path) -> dict[str, Any]:
     """Return a data dict with absolute `train`/`val` paths, `nc`, `names` (index -> name) and
     `channels`, ready for Ultralytics' dataset builders. An `s3://.../data.yaml` resolves to its
-    staged copy on this node (data/staging.py)."""
+    staged copy on this node (staging/stager.py)."""
     if str(path).startswith("s3://"):
-        from elasticyolo.data.staging import resolve_data_yaml
+        from elasticyolo.staging.stager import resolve_data_yaml
 
         path = resolve_data_yaml(str(path))
     p = Path(path)

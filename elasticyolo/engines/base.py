@@ -11,7 +11,7 @@ object with five parts:
 * `plan_drain(situation)` - its **drain planner**: a pure function choosing how a node leaves the
   world (`engines/drain.py` runs the plan).
 * `worker_modules` - the modules its worker entry imports, which the warm pool's zygote
-  (`engines/zygote.py`) imports once before forking warm workers.
+  (`worker_runtime/zygote.py`) imports once before forking warm workers.
 * `commit_target_s` - **what a commit is**: every engine commits through `engines/commit.py`
   (`EngineCommit.save()`, the node-local snapshot, the store checkpoint, `EngineCommit.check()`),
   about every `commit_target_s` seconds of work unless the spec fixes `commit_every`.
@@ -26,17 +26,12 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from elasticyolo.worker_runtime.options import WorkerOptions as WorkerOptions  # part of the engine interface
+
 if TYPE_CHECKING:
     from elasticyolo.agent.plugin import AgentPlugin, NodeAPI
     from elasticyolo.spec import TrainSpec
 
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """`elasticyolo worker` flags an engine may honour."""
-
-    progress_jsonl: str | None = None  # rank 0 appends one JSON record per step here
-    prewarm_slot: int | None = None  # agent use: build the core for this local slot, then wait (Horovod)
 
 
 class DrainMode(str, enum.Enum):

@@ -21,9 +21,9 @@ from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.job_state import JobEvent
 from elasticyolo.cluster.registry import read_nodes
 from elasticyolo.engines.crash_loop import RECORD_FIELD, CrashLoopState, CrashTally, NodeCrashes, judge
-from elasticyolo.engines.worker_errors import failure_reason
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime.worker_errors import failure_reason
 
 if TYPE_CHECKING:
     from elasticyolo.agent.plugin import NodeAPI

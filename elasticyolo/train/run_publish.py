@@ -120,8 +120,8 @@ class ClusterRunFolder:
 
 def write_timeline(run_dir: Path, job: str, store: Any | None = None) -> Path | None:
     """timeline.png of the run at its end (the job's event log too when this process can reach etcd)."""
-    from elasticyolo.engines import worker_env
     from elasticyolo.report import gather, render
+    from elasticyolo.worker_runtime import worker_env
 
     try:
         found = worker_env.read().etcd_client(timeout=2.0)

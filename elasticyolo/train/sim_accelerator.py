@@ -1,4 +1,4 @@
-"""A simulated node's accelerator, for clusters simulated on CPUs (testing/cpu_slices.py).
+"""A simulated node's accelerator, for clusters simulated on CPUs (local_cluster/cpu_slices.py).
 
 On a GPU node, training steps run on the GPU while the agent, the zygote, a warm standby's
 imports, the data loader and the checkpoint uploader use the host's cores beside it: none of
@@ -24,7 +24,7 @@ process group's, and Horovod's background loop and its bundled gloo's transport,
 thread and are named `HOROVOD_THREAD` when `hvd.init()` starts them (`name_threads_started`).
 They go to the cluster's simulated interconnect when there is one (`ELASTICYOLO_SIM_INTERCONNECT`),
 since a GPU world's all-reduce is NCCL's and the network's, which no host work slows
-(testing/cpu_slices.py has the figures). Horovod's world of 4 still calibrates below 3 there
+(local_cluster/cpu_slices.py has the figures). Horovod's world of 4 still calibrates below 3 there
 (54.7 against 65.6 samples/s; 56.6 against 68.9 on the host): its background loops burn
 0.21 CPU per node wherever they run.
 
@@ -39,7 +39,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from elasticyolo.engines.worker_env import ENV_SIM_ACCELERATOR, ENV_SIM_INTERCONNECT
+from elasticyolo.worker_runtime.worker_env import ENV_SIM_ACCELERATOR, ENV_SIM_INTERCONNECT
 from elasticyolo.log import get_logger
 
 log = get_logger("elasticyolo.sim_accelerator")

@@ -23,12 +23,12 @@ from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.job_state import JobEvent
 from elasticyolo.cluster.settings import EtcdSettings
-from elasticyolo.engines import worker_env
 from elasticyolo.engines.base import DrainPlan, DrainSituation, WorkerOptions, plan_stop
 from elasticyolo.engines.node import EngineNode
-from elasticyolo.engines.progress import worker_sinks
-from elasticyolo.engines.spawn import KILL_GRACE_S, SupervisedProcess, worker_command
-from elasticyolo.engines.worker_env import WorkerEnv, node_work_dir
+from elasticyolo.worker_runtime import worker_env
+from elasticyolo.worker_runtime.progress import worker_sinks
+from elasticyolo.worker_runtime.spawn import KILL_GRACE_S, SupervisedProcess, worker_command
+from elasticyolo.worker_runtime.worker_env import WorkerEnv, node_work_dir
 
 STEPS_PER_EPOCH = 5
 STEP_S = 0.05

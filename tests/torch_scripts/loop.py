@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elasticyolo.engines.lifeline import die_with_parent  # torchrun's agent does not kill its workers
+from elasticyolo.worker_runtime.lifeline import die_with_parent  # torchrun's agent does not kill its workers
 
 
 def main() -> None:

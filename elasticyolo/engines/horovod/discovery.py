@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 from horovod.runner.elastic.discovery import HostDiscovery
 
+from elasticyolo.agent.staging import data_ready
 from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.data.staging_agent import data_ready
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
@@ -37,7 +37,7 @@ def slots_of(record: dict[str, Any], max_slots: int | None) -> int:
     handing_over = record.get("state") == "DRAINING" and record.get("drain_mode") == "handover"
     if record.get("state") not in SERVING_STATES and not handing_over:
         return 0
-    if not data_ready(record):  # its s3:// dataset is still being staged (data/staging_agent.py)
+    if not data_ready(record):  # its s3:// dataset is still being staged (agent/staging.py)
         return 0
     ready = record.get("ready_slots")
     slots = int(record.get("slots") or 0) if ready is None else int(ready)

@@ -36,13 +36,13 @@ from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery
 from elasticyolo.engines.horovod.failures import (PEER_GRACE_S, RESET_GRACE_S, SlotFacts, abort_targets, etcd_answers,
                                                   excluded_hosts, lost_nodes, slot_outcome, world_stalled)
 from elasticyolo.engines.horovod.registry import GuardedWorkerRegistry
-from elasticyolo.engines.horovod.round_policy import is_crash
 from elasticyolo.engines.horovod.rendezvous import BoundRendezvousServer, rendezvous_handler
-from elasticyolo.engines.worker_env import WorkerEnv
-from elasticyolo.engines.worker_errors import failure_reason
+from elasticyolo.engines.horovod.round_policy import is_crash
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
+from elasticyolo.worker_runtime.worker_env import WorkerEnv
+from elasticyolo.worker_runtime.worker_errors import failure_reason
 
 # How long a stopped worker gets to report its exit before the driver counts it as failed.
 STOP_REPORT_S = 5.0

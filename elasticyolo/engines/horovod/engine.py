@@ -3,7 +3,7 @@ node's agent (no SSH). Torch-free at import: the agent loads this; `worker_main`
 
 Agent side: `node.py` (launcher, pre-warmed workers, the leader's `driver.py` with etcd
 `discovery.py`). Drain planner: `drain.py` (leave at a commit, or hand over after a quiesce).
-Worker: `worker.py` (`hvd.elastic.run`; warm processes: `engines/prewarm.py`), `quiesce.py`.
+Worker: `worker.py` (`hvd.elastic.run`; warm processes: `worker_runtime/prewarm.py`), `quiesce.py`.
 A commit: `state.save()`, snapshot, checkpoint, then Horovod's host-update check, about every
 second of work.
 """
@@ -37,7 +37,7 @@ class HorovodEngine:
     def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int:
         def train(prepared: Any = None) -> int:
             from elasticyolo.engines.horovod.worker import run_worker
-            from elasticyolo.engines.progress import worker_sinks
+            from elasticyolo.worker_runtime.progress import worker_sinks
 
             sinks, progress = worker_sinks(options)  # after a warm worker got its environment
             run_worker(spec, sinks=sinks, prepared=prepared, progress=progress, commit_target_s=self.commit_target_s)
@@ -45,7 +45,7 @@ class HorovodEngine:
 
         if options.prewarm_slot is not None:
             from elasticyolo.engines.horovod.worker import prepare_worker
-            from elasticyolo.engines.prewarm import serve
+            from elasticyolo.worker_runtime.prewarm import serve
 
             return serve(spec, options.prewarm_slot, train, prepare=lambda core: prepare_worker(spec, core))
         return train()

@@ -6,7 +6,7 @@ must be reported only for a worker that really is gone:
 
 * its exit was reported by its node's agent;
 * the agent's liveness connection closed without `bye` (cluster/liveness.py: DEAD): the agent
-  process is gone, and its workers with it (they die with their agent, engines/lifeline.py) -
+  process is gone, and its workers with it (they die with their agent, worker_runtime/lifeline.py) -
   reported at once, so the world does not wait for the lease;
 * the node is SUSPECT (no heartbeat) or its lease is gone, but that alone proves nothing about
   its worker: only the *agent* may be frozen (or starved of CPU) while the worker trains on. A

@@ -2,18 +2,18 @@
 
 The leader's driver writes `launch/<node>/<local_rank>` = {"action": "start", "id", "env", ...};
 `reconcile()` (called from the agent loop, which also owns the processes' parent thread — see
-engines/lifeline.py) starts a worker for every request it has not run yet and kills workers whose
+worker_runtime/lifeline.py) starts a worker for every request it has not run yet and kills workers whose
 request was withdrawn (the driver wrote {"action": "stop", "id"} for it) or replaced (a request
 with another id). A request that is merely gone (it is leased by the leader, so a leader whose
 lease lapsed takes its requests along) stops nothing: only a driver decides that a worker leaves
 the world, and the next leader's driver replaces or withdraws the request. A waiter thread per worker reports its exit code at `exit/<id>` (leased
 by this node, so reports vanish with it) and streams the worker's output into the agent log.
 A worker that failed left its reason in its directory: it is published before the exit is
-reported (`engines/worker_errors.py`), so a job the driver fails for that exit carries it.
+reported (`worker_runtime/worker_errors.py`), so a job the driver fails for that exit carries it.
 
-Workers start through `engines/spawn.py` (own session, so `killpg` takes the whole tree; they die
-with the agent, `engines/lifeline.py`). Secrets (etcd password) reach them only through their
-environment (`engines/worker_env.py`), never through etcd or the command line.
+Workers start through `worker_runtime/spawn.py` (own session, so `killpg` takes the whole tree; they die
+with the agent, `worker_runtime/lifeline.py`). Secrets (etcd password) reach them only through their
+environment (`worker_runtime/worker_env.py`), never through etcd or the command line.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.engines.spawn import KILL_GRACE_S, kill_now, pump_output, signal_group, spawn, worker_command
-from elasticyolo.engines.worker_env import WorkerEnv
-from elasticyolo.engines.worker_errors import WorkerErrors
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime.spawn import KILL_GRACE_S, kill_now, pump_output, signal_group, spawn, worker_command
+from elasticyolo.worker_runtime.worker_env import WorkerEnv
+from elasticyolo.worker_runtime.worker_errors import WorkerErrors
 
 
 def interface_for(addr: str) -> str:

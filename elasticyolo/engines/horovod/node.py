@@ -19,16 +19,16 @@ from elasticyolo.cluster.etcd import EtcdError
 from elasticyolo.engines.base import DrainMode, DrainSituation
 from elasticyolo.engines.horovod.drain import other_serving_slots
 from elasticyolo.engines.node import EngineNode
-from elasticyolo.engines.prewarm import prewarm_enabled
-from elasticyolo.engines.worker_env import node_work_dir
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime.prewarm import prewarm_enabled
+from elasticyolo.worker_runtime.worker_env import node_work_dir
 
 if TYPE_CHECKING:
     from elasticyolo.engines.base import Engine
     from elasticyolo.engines.horovod.driver import DriverRunner
     from elasticyolo.engines.horovod.launcher import Launcher
-    from elasticyolo.engines.prewarm import PrewarmPool
+    from elasticyolo.worker_runtime.prewarm import PrewarmPool
 
 
 class HorovodNode(EngineNode):
@@ -49,7 +49,7 @@ class HorovodNode(EngineNode):
     def on_start(self, agent: NodeAPI) -> None:
         from elasticyolo.cluster.settings import EtcdSettings
         from elasticyolo.engines.horovod.launcher import Launcher
-        from elasticyolo.engines.worker_env import WorkerEnv
+        from elasticyolo.worker_runtime.worker_env import WorkerEnv
 
         cfg = agent.cfg
         # Workers report progress to etcd: they get the agent's connection settings through their
@@ -177,7 +177,7 @@ class HorovodNode(EngineNode):
                 self._stop_pool()
                 agent.set_record_field("ready_slots", None)
             return
-        from elasticyolo.engines.prewarm import PrewarmPool
+        from elasticyolo.worker_runtime.prewarm import PrewarmPool
 
         slots = min(agent.cfg.slots, spec.slots)
         work_dir: Path = self.launcher.work_dir

@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from elasticyolo.cluster.etcd import EtcdError
-from elasticyolo.engines import worker_env
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime import worker_env
 
 log = get_logger("elasticyolo.worker.quiesce")
 POLL_S = 0.25

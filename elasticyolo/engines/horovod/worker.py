@@ -24,23 +24,23 @@ from horovod.common.elastic import ObjectState, run_fn
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from elasticyolo.engines import worker_env
 from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.horovod.abort import ABORT, CollectiveAborter, abort_collectives
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
 from elasticyolo.engines.horovod.saved_state import buffered_handler
 from elasticyolo.engines.horovod.state_sync import apply_plain, send_shards, signature, state_tensors
-from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.checkpointing import Checkpointer, open_checked_store
-from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics, shared_progress
 from elasticyolo.train.digest import optimizer_state_digest, params_digest
 from elasticyolo.train.layout import default_layout
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
+from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.sim_accelerator import HOROVOD_THREAD, name_threads_started
 from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
+from elasticyolo.worker_runtime import worker_env
+from elasticyolo.worker_runtime.progress import EtcdProgress
 
 SNAPSHOT_PERIOD_S = 10.0  # node-local snapshots (for a leader loss) at most this often
 WAIT_POLL_S = 0.0005  # how often a rank waiting for its gradients' all-reduce looks

@@ -4,7 +4,7 @@ the agent loads this; `worker_main` imports torch.
 Agent side: `node.py` (one `launcher.py` process per node: torch's `LocalElasticAgent`, the
 `rendezvous.py` backend). Drain planner: stop (torch elastic restarts the world on any change and
 the survivors restore the newest node-local snapshot). Worker: `worker.py`, started warm
-(`warm.py`, `engines/prewarm.py`). A commit: snapshot
+(`warm.py`, `worker_runtime/prewarm.py`). A commit: snapshot
 (every node, every commit) and checkpoint, about every 2 s of work.
 """
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class TorchEngine:
     name = "torch"
     commit_target_s = 2.0
-    worker_modules = ("elasticyolo.engines.torch.worker", "elasticyolo.engines.progress")
+    worker_modules = ("elasticyolo.engines.torch.worker", "elasticyolo.worker_runtime.progress")
 
     def node(self, agent: "NodeAPI") -> "TorchNode":
         from elasticyolo.engines.torch.node import TorchNode
@@ -35,16 +35,16 @@ class TorchEngine:
 
     def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int:
         def train(prepared: Any = None) -> int:
-            from elasticyolo.engines.progress import worker_sinks
             from elasticyolo.engines.torch.worker import main
+            from elasticyolo.worker_runtime.progress import worker_sinks
 
             sinks, progress = worker_sinks(options)  # after a warm worker got its environment
             return main(spec, sinks=sinks, progress=progress, commit_target_s=self.commit_target_s,
                         prepared=prepared)
 
         if options.prewarm_slot is not None:
-            from elasticyolo.engines import worker_env
-            from elasticyolo.engines.prewarm import serve
+            from elasticyolo.worker_runtime import worker_env
+            from elasticyolo.worker_runtime.prewarm import serve
 
             return serve(spec, options.prewarm_slot, train, work_dir=worker_env.read().run_dir,
                          prepare=lambda core: _prepare(spec, core))
@@ -55,7 +55,7 @@ def _prepare(spec: "TrainSpec", core: Any) -> Any:
     """A warm worker's work before its round: the worker module's imports (~0.5 s on 2 cores) and
     the checked checkpoint store (boto3 client and a write check), which a round that has formed
     would otherwise wait for."""
-    import elasticyolo.engines.progress  # noqa: F401
+    import elasticyolo.worker_runtime.progress  # noqa: F401
     from elasticyolo.engines.torch.worker import prepare_worker
 
     return prepare_worker(spec, core)

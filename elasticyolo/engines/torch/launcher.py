@@ -5,8 +5,8 @@ its warm workers are ready.
 
 Started by the elasticyolo agent's torch node (`node.py`) as
 `python -m elasticyolo.engines.torch.launcher` with its configuration in the worker environment
-(`engine_config`: `LaunchSettings` as JSON; `engines/worker_env.py`). It dies with the agent and
-its workers die with it (`engines/lifeline.py`). It runs on this process's main thread, so
+(`engine_config`: `LaunchSettings` as JSON; `worker_runtime/worker_env.py`). It dies with the agent and
+its workers die with it (`worker_runtime/lifeline.py`). It runs on this process's main thread, so
 torch's SIGTERM handling works: SIGTERM stops the workers and leaves the rendezvous open for the
 other nodes (torch closes it only when the job ends).
 
@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.engines import worker_env
-from elasticyolo.engines.lifeline import die_with_agent
-from elasticyolo.engines.prewarm import PrewarmPool, preload_modules, prewarm_enabled
-from elasticyolo.engines.spawn import worker_command
-from elasticyolo.engines.zygote import Zygote, zygote_enabled
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime import worker_env
+from elasticyolo.worker_runtime.lifeline import die_with_agent
+from elasticyolo.worker_runtime.prewarm import PrewarmPool, preload_modules, prewarm_enabled
+from elasticyolo.worker_runtime.spawn import worker_command
+from elasticyolo.worker_runtime.zygote import Zygote, zygote_enabled
 
 if TYPE_CHECKING:
     from elasticyolo.engines.torch.warm import WarmStarts

@@ -9,7 +9,7 @@ Why a child process rather than `LocalElasticAgent` on a thread of the agent:
   way to wedge a thread that is blocked in a rendezvous;
 * a crash of torch's agent cannot take the node daemon (lease, spot notices) down with it.
 Kill chain: the launcher is a `SupervisedProcess` (forked and waited on by its own thread) that
-dies with the agent (`engines/lifeline.py`), and its workers die with it the same way, so SIGKILL
+dies with the agent (`worker_runtime/lifeline.py`), and its workers die with it the same way, so SIGKILL
 of the agent kills launcher and workers. A stop that does not finish in `stop_grace_s` (in a drain: by
 the drain's kill lead before its deadline) gets SIGKILL on the launcher's process group
 (workers follow through PDEATHSIG).
@@ -32,18 +32,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elasticyolo.agent.plugin import NodeAPI
+from elasticyolo.agent.staging import data_ready
 from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.job_state import JobEvent
 from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.settings import EtcdSettings
-from elasticyolo.data.staging_agent import data_ready
 from elasticyolo.engines.crash_loop_watch import CrashLoopWatch
 from elasticyolo.engines.node import EngineNode
-from elasticyolo.engines.spawn import SupervisedProcess
 from elasticyolo.engines.torch.launcher import EXIT_CLOSED, LaunchSettings
-from elasticyolo.engines.worker_env import WorkerEnv, node_work_dir
-from elasticyolo.engines.worker_errors import WorkerErrors
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime.spawn import SupervisedProcess
+from elasticyolo.worker_runtime.worker_env import WorkerEnv, node_work_dir
+from elasticyolo.worker_runtime.worker_errors import WorkerErrors
 
 if TYPE_CHECKING:
     from elasticyolo.agent.job import JobView

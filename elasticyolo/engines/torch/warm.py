@@ -3,7 +3,7 @@
 torch elastic restarts the whole world on every membership change, and its agent starts a new
 worker process each time: imports, model, dataset index and loader processes cost 3-4 s on 2 busy
 cores, on every node, after every kill and every join. The launcher keeps one warm process per
-slot (`engines/prewarm.py`, the same pool the Horovod engine uses) and torch's agent hands it the
+slot (`worker_runtime/prewarm.py`, the same pool the Horovod engine uses) and torch's agent hands it the
 round's environment instead of starting a process (one still warming up is handed it too: it
 trains as soon as it is warm, sooner than a new process would). Everything else stays torch's: the warm
 process is a child of the launcher in its own session, so torch's own monitoring (`poll`), its
@@ -26,8 +26,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 
-from elasticyolo.engines.prewarm import PrewarmPool
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime.prewarm import PrewarmPool
 
 log = get_logger("elasticyolo.torch.warm")
 

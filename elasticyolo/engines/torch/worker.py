@@ -34,19 +34,19 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from elasticyolo.engines import worker_env, worker_errors
 from elasticyolo.engines.commit import CommitHooks
-from elasticyolo.engines.progress import EtcdProgress
 from elasticyolo.engines.torch.stop_at_commit import StopAtCommit, torch_reduce
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.checkpointing import Checkpointer, open_checked_store
-from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.core import TrainCore, quiet_ultralytics
 from elasticyolo.train.digest import params_digest
 from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
+from elasticyolo.train.run_publish import ClusterRunFolder
 from elasticyolo.train.snapshots import LocalSnapshots, finish_snapshot_on_sigterm, restore_newest
+from elasticyolo.worker_runtime import worker_env, worker_errors
+from elasticyolo.worker_runtime.progress import EtcdProgress
 
 log = get_logger("elasticyolo.torch.worker")
 
@@ -138,7 +138,7 @@ def init_process_group(spec: TrainSpec) -> None:
 
 @dataclass
 class PreparedWorker:
-    """What a warm process (`engines/prewarm.py`) builds before it is handed a round."""
+    """What a warm process (`worker_runtime/prewarm.py`) builds before it is handed a round."""
 
     core: TrainCore
     store: Any  # the checkpoint store, opened and checked (None: the job has none)

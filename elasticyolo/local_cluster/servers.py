@@ -2,7 +2,7 @@
 
 Everything binds to loopback; data lives in a temp dir that goes away with the server.
 `EtcdCluster(host=..., exec_prefix=["ip", "netns", "exec", NS])` runs the members on that address
-inside a network namespace instead (partition tests, `testing/netns.py`).
+inside a network namespace instead (partition tests, `tests/support/netns.py`).
 `EtcdCluster(tls=EtcdPki.generate(...))` runs the production setup from deploy/etcd: certificates
 from `make-certs.sh`, members configured from `etcd.conf.yml.template` (TLS for clients and
 peers, client certificates required, JWT tokens), and `enable_auth()` runs `setup-auth.sh`.
@@ -65,7 +65,7 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, o
 
 def _wait_http_via(prefix: list[str], url: str, timeout: float, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
     """`_wait_http` run through `prefix` (inside a network namespace: only from there is `url` reachable)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from elasticyolo.testing.servers import _wait_http;"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from elasticyolo.local_cluster.servers import _wait_http;"
             " _wait_http(sys.argv[2], float(sys.argv[3]))")
     root = str(Path(__file__).resolve().parents[2])
     r = subprocess.run([*prefix, sys.executable, "-c", code, root, url, str(timeout)], capture_output=True,

@@ -14,7 +14,7 @@ The signal fires when the parent *thread* that forked the child exits: spawn fro
 lives as long as the child (the agent's loop thread, a supervisor thread that waits on it, torch's
 agent main thread).
 
-`python -m elasticyolo.engines.lifeline MODULE [ARGS...]` runs MODULE the same way; without the
+`python -m elasticyolo.worker_runtime.lifeline MODULE [ARGS...]` runs MODULE the same way; without the
 variable (e.g. under plain torchrun) the parent is whoever started us. No torch here.
 """
 
@@ -26,8 +26,8 @@ import runpy
 import signal
 import sys
 
-from elasticyolo.engines.worker_env import ENV_PARENT_PID
 from elasticyolo.priority import as_worker
+from elasticyolo.worker_runtime.worker_env import ENV_PARENT_PID
 
 PR_SET_PDEATHSIG = 1
 EXIT_ORPHANED = 137  # as if SIGKILLed together with the parent
@@ -63,7 +63,7 @@ def die_with_agent() -> None:
 def main() -> None:
     die_with_parent()
     if len(sys.argv) < 2:
-        print("usage: python -m elasticyolo.engines.lifeline MODULE [ARGS...]", file=sys.stderr)
+        print("usage: python -m elasticyolo.worker_runtime.lifeline MODULE [ARGS...]", file=sys.stderr)
         sys.exit(2)
     module = sys.argv[1]
     sys.argv = [module, *sys.argv[2:]]

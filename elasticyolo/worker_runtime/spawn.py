@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from elasticyolo.engines.worker_env import WorkerEnv
+from elasticyolo.worker_runtime.worker_env import WorkerEnv
 
 # A stopped child gets this long between SIGTERM and SIGKILL.
 KILL_GRACE_S = 3.0

@@ -8,7 +8,7 @@ Tests point `--metadata-url` / make_watcher(metadata_url=...) at it and drive it
         md.request_log, md.acknowledged
 
 As a process (to drive an agent in another process):
-    python -m elasticyolo.testing.metadata_server --port 0   # prints "METADATA_SERVER_URL http://127.0.0.1:P"
+    python -m elasticyolo.local_cluster.metadata_server --port 0   # prints "METADATA_SERVER_URL http://127.0.0.1:P"
 and control it over HTTP with MetadataServerClient(url) (same methods), or MetadataServerProcess().
 Control endpoints: POST /_control/{announce,clear,fail,delay,expire_tokens}, GET /_control/{log,acks,health}.
 """
@@ -475,7 +475,7 @@ class MetadataServerClient:
 
 
 class MetadataServerProcess(MetadataServerClient):
-    """Run the server as a child process (`python -m elasticyolo.testing.metadata_server`)."""
+    """Run the server as a child process (`python -m elasticyolo.local_cluster.metadata_server`)."""
 
     def __init__(self, port: int = 0, providers: tuple[str, ...] = PROVIDERS) -> None:
         super().__init__("")
@@ -485,7 +485,7 @@ class MetadataServerProcess(MetadataServerClient):
 
     def start(self, timeout: float = 15.0) -> "MetadataServerProcess":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elasticyolo.testing.metadata_server", "--port", str(self.port),
+            [sys.executable, "-m", "elasticyolo.local_cluster.metadata_server", "--port", str(self.port),
              "--providers", ",".join(self.providers)],
             stdout=subprocess.PIPE, text=True,
         )

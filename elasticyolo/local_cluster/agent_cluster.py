@@ -1,7 +1,7 @@
 """A local elasticyolo cluster for tests, the demo and benchmarks: real `elasticyolo agent`
 processes (distinct node ids, all on 127.0.0.1) against a real etcd, training real workers.
 With `loopback=False`, `start(..., addr=, prefix=)` and a `reader`, the agents run in network
-namespaces of their own instead (partition tests, `testing/netns.py`).
+namespaces of their own instead (partition tests, `tests/support/netns.py`).
 
 Worker traces (`ELASTICYOLO_TRACE_DIR`) are shared by all agents' workers so a scenario can
 find a rank's pid, prove exactly-once coverage and time recoveries.
@@ -18,11 +18,11 @@ from typing import Any, Sequence
 
 import psutil
 
-from elasticyolo.testing.agents import ELASTICYOLO, AgentProcess, EtcdReads, leader_in_etcd, nodes_in_etcd
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.testing.trace import pids_by_rank, read_trace
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess, EtcdReads, leader_in_etcd, nodes_in_etcd
+from elasticyolo.local_cluster.trace import pids_by_rank, read_trace
+from elasticyolo.local_cluster.wait import wait_for
 
 
 # Pin torch, Gloo and Horovod to loopback: every agent of a plain local cluster is on 127.0.0.1.
@@ -153,7 +153,7 @@ class AgentCluster:
 
     def worker_of(self, node: str) -> int:
         """The training worker pid (a rank in the current world) under `node`'s agent (its child,
-        or its warm pool's zygote's: engines/zygote.py)."""
+        or its warm pool's zygote's: worker_runtime/zygote.py)."""
         agent = self.agents[node].proc
         assert agent is not None
         for pid in pids_by_rank(self.events()).values():

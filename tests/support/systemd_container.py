@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.wait import wait_for
 
 SYSTEMD = "/lib/systemd/systemd"
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.testing.trace import pids_by_rank, read_trace
-from elasticyolo.testing.wait import wait_for
+from elasticyolo.local_cluster.trace import pids_by_rank, read_trace
+from elasticyolo.local_cluster.wait import wait_for
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -31,15 +31,15 @@ ENV_SPEC = "ELASTICYOLO_SPEC"  # the job's TrainSpec as JSON
 ENV_NODE_ID = "ELASTICYOLO_NODE_ID"
 ENV_GENERATION = "ELASTICYOLO_GENERATION"  # the submission (spec mod revision) the worker trains
 ENV_WORKER_DIR = "ELASTICYOLO_WORKER_DIR"  # node_work_dir(): cwd and snapshot home
-ENV_PARENT_PID = "ELASTICYOLO_PARENT_PID"  # the process that must outlive this one (engines/lifeline.py)
+ENV_PARENT_PID = "ELASTICYOLO_PARENT_PID"  # the process that must outlive this one (worker_runtime/lifeline.py)
 ENV_TERM = "ELASTICYOLO_DRIVER_TERM"  # leadership term of the coordinator that launched the worker
 ENV_RESTORE = "ELASTICYOLO_RESTORE"  # "1": a freshly started world; agree on the newest snapshot
 ENV_ENGINE_CONFIG = "ELASTICYOLO_ENGINE_CONFIG"  # an engine's own settings for its node process (JSON)
 ENV_SNAPSHOT_S = "ELASTICYOLO_SNAPSHOT_S"  # inherited override of the engine's snapshot period
-# A replacement warm worker (engines/prewarm.py) waits this long before anything heavy, so that it
+# A replacement warm worker (worker_runtime/prewarm.py) waits this long before anything heavy, so that it
 # does not take the CPU from the worker it replaces while that one restores and takes its first steps.
 ENV_PREWARM_DELAY_S = "ELASTICYOLO_PREWARM_DELAY_S"
-# A node simulated on CPUs (testing/cpu_slices.py, inherited): the `cgroup.procs` files
+# A node simulated on CPUs (local_cluster/cpu_slices.py, inherited): the `cgroup.procs` files
 # (os.pathsep-separated) a worker moves itself to when it starts training (train/sim_accelerator.py).
 ENV_SIM_ACCELERATOR = "ELASTICYOLO_SIM_ACCELERATOR"
 # ...and the `cgroup.procs` file of the cluster's simulated interconnect, where the process group's

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from elasticyolo.agent.plugin import AgentPlugin, NodeAPI
 from elasticyolo.agent.state import NodeState
-from elasticyolo.data.staging import STAGER_ENV, StageProgress, StageResult, Stager, StagingCancelled, spec_sources
-from elasticyolo.data.staging_cache import DatasetCache, DatasetLock
 from elasticyolo.log import get_logger
 from elasticyolo.s3options import s3_options
+from elasticyolo.staging.cache import DatasetCache, DatasetLock
+from elasticyolo.staging.stager import STAGER_ENV, StageProgress, StageResult, Stager, StagingCancelled, spec_sources
 
 if TYPE_CHECKING:
     from elasticyolo.agent.job import JobView

@@ -1,7 +1,7 @@
 """Real `elasticyolo agent` processes for scenario tests and benchmarks, and etcd views of them.
 
 Scenarios are written as a schedule of kills/joins plus `wait_for(condition, deadline)`
-(`testing/wait.py`), never bare sleeps, so they are as fast as the cluster and fail with a
+(`local_cluster/wait.py`), never bare sleeps, so they are as fast as the cluster and fail with a
 message saying what was awaited.
 """
 
@@ -36,7 +36,7 @@ class AgentProcess:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
     addr: str = "127.0.0.1"  # --addr and --host
-    prefix: list[str] = field(default_factory=list)  # e.g. `ip netns exec NS` (testing/netns.py)
+    prefix: list[str] = field(default_factory=list)  # e.g. `ip netns exec NS` (tests/support/netns.py)
     unset: tuple[str, ...] = ()  # variables of this process's environment the agent must not get
 
     @property
@@ -89,7 +89,7 @@ class AgentProcess:
 
 class EtcdReads(Protocol):
     """The reads of the views below: an `EtcdClient`, or a reader that runs inside a network
-    namespace (`testing/netns.py`)."""
+    namespace (`tests/support/netns.py`)."""
 
     def get(self, key: str) -> tuple[bytes, int] | None: ...
     def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]: ...

@@ -43,7 +43,7 @@ import time
 import uuid
 from pathlib import Path
 
-from elasticyolo.engines.worker_env import ENV_SIM_ACCELERATOR, ENV_SIM_INTERCONNECT
+from elasticyolo.worker_runtime.worker_env import ENV_SIM_ACCELERATOR, ENV_SIM_INTERCONNECT
 
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V1_CPUSET = Path("/sys/fs/cgroup/cpuset")

@@ -1,4 +1,4 @@
-"""The node-local cache that S3 datasets and weights files are staged into (see staging.py).
+"""The node-local cache that S3 datasets and weights files are staged into (see stager.py).
 
 Layout under the cache root (`$ELASTICYOLO_DATA_CACHE`, else `$CACHE_DIRECTORY/datasets` under
 systemd, else `$XDG_CACHE_HOME/elasticyolo/datasets`):

@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from elasticyolo.testing.agents import ELASTICYOLO
-from elasticyolo.testing.wait import wait_for
 from elasticyolo.cluster.etcd import EtcdClient
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.testing.unit_sandbox import UnitSandbox
+from elasticyolo.local_cluster.agents import ELASTICYOLO
+from elasticyolo.local_cluster.wait import wait_for
+from .unit_sandbox import UnitSandbox
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 """Datasets and weights from S3, staged into a node-local cache.
 
 `data=s3://bucket/prefix/data.yaml`: the dataset is every object under the data.yaml's
-"directory" (`s3://bucket/prefix/`); its copy lives in the cache (staging_cache.py) and a
+"directory" (`s3://bucket/prefix/`); its copy lives in the cache (cache.py) and a
 rewritten data.yaml points Ultralytics at it. `model=` or `pretrained=s3://bucket/key.pt`: the
 weights are that one object, staged the same way and used as a local `.pt`.
 
@@ -19,7 +19,7 @@ weights are that one object, staged the same way and used as a local `.pt`.
 * Reused: a dataset whose S3 listing (keys, sizes, ETags) is unchanged is used as it is; a changed
   one only fetches what changed.
 
-Who stages: the agent (staging_agent.py) before it offers the node's slots to a job; a worker
+Who stages: the agent (agent/staging.py) before it offers the node's slots to a job; a worker
 started by an agent only waits for that (`resolve_staged`); a single
 process (`elasticyolo train`, `elasticyolo data stage`) stages itself. Only boto3/s3transfer here, no torch.
 """
@@ -44,8 +44,8 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from elasticyolo.data.staging_cache import CacheEntry, DatasetCache, DatasetLock, GiB, Journal, default_cache_root
 from elasticyolo.errors import UnavailableError, UserError
+from elasticyolo.staging.cache import CacheEntry, DatasetCache, DatasetLock, GiB, Journal, default_cache_root
 from elasticyolo.weights_file import check_weights_file
 
 MiB = 1024 * 1024

@@ -22,7 +22,7 @@ of the 17.5 s from the node's start to its first step. The agent never imports t
 pool (Horovod) spawns the zygote.
 
 Lifetime: the zygote dies with the pool's owner (the agent or the torch launcher:
-`engines/lifeline.py`) and its children die with it. When the pool closes, the zygote forks no
+`worker_runtime/lifeline.py`) and its children die with it. When the pool closes, the zygote forks no
 more and exits once its last child has (a worker it handed over keeps training).
 
 Protocol (SOCK_SEQPACKET, one JSON message each): pool -> zygote {"id", "module", "args", "env",
@@ -49,10 +49,10 @@ import time
 import traceback
 from typing import IO, Any, Mapping, Sequence
 
-from elasticyolo.engines.spawn import pump_output, spawn
-from elasticyolo.engines.worker_env import ENV_PARENT_PID, WorkerEnv
 from elasticyolo.log import get_logger
 from elasticyolo.processes import fork_child
+from elasticyolo.worker_runtime.spawn import pump_output, spawn
+from elasticyolo.worker_runtime.worker_env import ENV_PARENT_PID, WorkerEnv
 
 ENV_ZYGOTE = "ELASTICYOLO_ZYGOTE"  # "0": warm workers start as fresh processes
 # What every worker imports, engine-neutral; the engine adds its `worker_modules`.
@@ -133,14 +133,14 @@ class _ForkedZygoteProcess:
 
 
 class Zygote:
-    """Start from a thread that outlives it (as every spawn: see engines/lifeline.py); `fork()`
+    """Start from a thread that outlives it (as every spawn: see worker_runtime/lifeline.py); `fork()`
     may be called from any thread and blocks until the zygote has imported and forked."""
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str], worker_env: WorkerEnv,
                  cwd: str | os.PathLike[str] | None = None, **log_fields: Any) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            proc = spawn([sys.executable, "-m", "elasticyolo.engines.zygote", str(theirs.fileno()), *modules],
+            proc = spawn([sys.executable, "-m", "elasticyolo.worker_runtime.zygote", str(theirs.fileno()), *modules],
                          env, worker_env, cwd=cwd, pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
@@ -157,7 +157,7 @@ class Zygote:
         owner = os.getpid()
 
         def become_zygote() -> None:
-            from elasticyolo.engines.lifeline import die_with_parent
+            from elasticyolo.worker_runtime.lifeline import die_with_parent
 
             ours.close()
             die_with_parent(owner)
@@ -166,7 +166,7 @@ class Zygote:
                 signal.signal(sig, signal.SIG_DFL)
             from setproctitle import setproctitle
 
-            setproctitle(f"{sys.executable} -m elasticyolo.engines.zygote (forked from {owner})")
+            setproctitle(f"{sys.executable} -m elasticyolo.worker_runtime.zygote (forked from {owner})")
             serve(theirs)
 
         pid = fork_child(become_zygote)  # ends in os._exit: not the owner's exit hooks
@@ -306,7 +306,7 @@ def _child(request: dict[str, Any], fds: list[int], close: Sequence[int], zygote
     """In the forked child: become a fresh worker process, run the module, never return."""
     code = 1
     try:
-        from elasticyolo.engines.lifeline import die_with_parent
+        from elasticyolo.worker_runtime.lifeline import die_with_parent
 
         die_with_parent(zygote_pid)  # the zygote dies with the pool's owner; its children with it
         from setproctitle import setproctitle
@@ -371,7 +371,7 @@ def _start_helper_server(sock: socket.socket) -> None:
     zygote = os.getpid()
 
     def in_server() -> None:
-        from elasticyolo.engines.lifeline import die_with_parent
+        from elasticyolo.worker_runtime.lifeline import die_with_parent
 
         die_with_parent(zygote)
         from setproctitle import setproctitle
@@ -459,7 +459,7 @@ def _preload(modules: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    from elasticyolo.engines.lifeline import die_with_agent
+    from elasticyolo.worker_runtime.lifeline import die_with_agent
 
     die_with_agent()  # the pool's owner; the children's lifeline is this process
     sock = socket.socket(fileno=int(args[0]))

@@ -64,7 +64,7 @@ def errors_dir(worker_dir: str | os.PathLike[str]) -> Path:
 def record(reason: str, code: int, *, slot: int | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
     """Write this process's fatal error for its agent (a no-op outside an agent: no parent pid).
     Never raises: the worker is failing already, and its stderr says the same."""
-    from elasticyolo.engines.worker_env import ENV_PARENT_PID, ENV_WORKER_DIR
+    from elasticyolo.worker_runtime.worker_env import ENV_PARENT_PID, ENV_WORKER_DIR
 
     env = os.environ if environ is None else environ
     if not env.get(ENV_PARENT_PID):

@@ -13,7 +13,7 @@ process per slot and hands it the next round's environment instead of starting a
 Protocol (worker side `serve()`, pool side `PrewarmPool`): the process prints `READY_LINE`
 when warm, then reads one JSON line (environment to add) and trains as a normal worker.
 
-The pool forks its warm processes from a zygote (`engines/zygote.py`) that has done the imports
+The pool forks its warm processes from a zygote (`worker_runtime/zygote.py`) that has done the imports
 once, so a refill costs a node ~0.5 CPU-s instead of ~5; plain processes where it is off
 (`ELASTICYOLO_ZYGOTE=0`) or has failed.
 """
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.engines.spawn import child_env, kill_now, pump_output, spawn, worker_command
-from elasticyolo.engines.worker_env import ENV_PARENT_PID, ENV_PREWARM_DELAY_S, ENV_SPEC, WorkerEnv
-from elasticyolo.engines.zygote import PRELOAD, Zygote, ZygoteError, zygote_enabled
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime.spawn import child_env, kill_now, pump_output, spawn, worker_command
+from elasticyolo.worker_runtime.worker_env import ENV_PARENT_PID, ENV_PREWARM_DELAY_S, ENV_SPEC, WorkerEnv
+from elasticyolo.worker_runtime.zygote import PRELOAD, Zygote, ZygoteError, zygote_enabled
 
 READY_LINE = "ELASTICYOLO-PREWARM-READY"
 # The pool's log events for a warm process (with its pid): `chaos replay` waits on them.
@@ -94,7 +94,7 @@ class PrewarmPool:
 
     def fill(self, running_slots: set[int] | None = None, delay_s: float = 0.0) -> None:
         """Spawn warm processes for free slots, from a thread that outlives them (the agent's
-        loop thread, the launcher's main thread: see engines/lifeline.py). `delay_s`: they wait
+        loop thread, the launcher's main thread: see worker_runtime/lifeline.py). `delay_s`: they wait
         this long before importing anything heavy."""
         busy = running_slots if running_slots is not None else set()
         for slot in range(self.slots):
@@ -244,7 +244,7 @@ def serve(spec: Any, slot: int, train: Callable[[Any], int], work_dir: str | os.
     os.environ.update(json.loads(line))
     if lifeline is not None:  # who this process dies with is not the handing-over process's business
         os.environ[ENV_PARENT_PID] = lifeline
-    from elasticyolo.engines.lifeline import die_with_agent
+    from elasticyolo.worker_runtime.lifeline import die_with_agent
 
     die_with_agent()  # the same parent, re-checked
     return train(ready)

@@ -18,7 +18,7 @@ def upload_dataset(directory: Path, uri: str, options: dict[str, Any], concurren
     from s3transfer.manager import TransferConfig, TransferManager
 
     from elasticyolo.checkpoint.stores import parse_uri
-    from elasticyolo.data.staging import s3_client
+    from elasticyolo.staging.stager import s3_client
 
     scheme, bucket, prefix = parse_uri(uri)
     if scheme != "s3":

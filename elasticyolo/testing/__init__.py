@@ -1,1 +1,0 @@
-"""Real local servers for tests, benchmarks and the demo (etcd, S3 API via moto). Loopback only."""
