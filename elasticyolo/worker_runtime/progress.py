@@ -21,15 +21,15 @@ import time
 from typing import Any, Callable
 
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError
-from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.job_state import JobEvent
+from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.keys import JobKeys
-from elasticyolo.worker_runtime import worker_env
-from elasticyolo.engines.base import WorkerOptions
-from elasticyolo.worker_runtime.worker_env import WorkerEnv
 from elasticyolo.errors import UnavailableError
 from elasticyolo.exit_hooks import at_exit
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime import worker_env
+from elasticyolo.worker_runtime.options import WorkerOptions
+from elasticyolo.worker_runtime.worker_env import WorkerEnv
 
 FIELDS = ("epoch", "epochs", "step", "consumed", "num_samples", "world_size", "loss", "lr", "lr_scale",
           "accumulate")
