@@ -99,8 +99,11 @@ class _Nodes:
         self.cluster = AgentCluster(env.etcd_endpoints, job, workdir,
                                     env={"OMP_NUM_THREADS": "1", **env.s3_env})
         self.md: dict[str, MetadataServer] = {}
-        # Drain well inside the (compressed) notice; the agent polls its metadata twice a second.
+        # Drain well inside the (compressed) notice. The agent polls its metadata at most twice a
+        # second, and at least 20 times per notice: AWS's 5 s poll is 1/24 of its 120 s notice,
+        # and a 0.5 s poll would spend a quarter of a 2 s compressed one.
         self.margin_s = round(min(5.0, max(0.0, env.notice_s * 0.25)), 2)
+        self.poll_s = round(max(0.05, min(0.5, env.notice_s / 20)), 3)
 
     def slice_name(self, node: str) -> str:
         return f"{self.cluster.job}-{node}"
@@ -108,7 +111,7 @@ class _Nodes:
     def start(self, node: str) -> None:
         md = self.md[node] = MetadataServer(providers=("aws",)).start()
         prefix = self.slices.prefix(self.slice_name(node)) if self.slices else []
-        self.cluster.start(node, "--spot-provider", "aws", "--metadata-url", md.url, "--spot-poll-interval", "0.5",
+        self.cluster.start(node, "--spot-provider", "aws", "--metadata-url", md.url, "--spot-poll-interval", str(self.poll_s),
                            "--drain-margin-s", str(self.margin_s), prefix=prefix)
 
     def alive(self, node: str) -> bool:
