@@ -12,7 +12,7 @@ object with five parts:
   world (`engines/drain.py` runs the plan).
 * `worker_modules` - the modules its worker entry imports, which the warm pool's zygote
   (`worker_runtime/zygote.py`) imports once before forking warm workers.
-* `commit_target_s` - **what a commit is**: every engine commits through `engines/commit.py`
+* `commit_target_s` - **what a commit is**: every engine commits through `worker_runtime/commit.py`
   (`EngineCommit.save()`, the node-local snapshot, the store checkpoint, `EngineCommit.check()`),
   about every `commit_target_s` seconds of work unless the spec fixes `commit_every`.
 
