@@ -71,7 +71,9 @@ class WorkerWorld(abc.ABC):
         Default: one world for the whole run (an engine that restarts its world on any change),
         started from the newest state in the world, committing with no engine part."""
         restored = runner.restore()
-        return runner.session(EngineCommit(), source=restored.source)
+        runner.report_resume(restored)
+        return runner.session(EngineCommit(), resume={"source": restored.source, "src_rank": restored.src_rank},
+                              source=restored.source)
 
 
 class WorkerRunner:
@@ -124,6 +126,13 @@ class WorkerRunner:
         restored = restore_newest(core, self.snapshots, self.world.collectives, self.checkpointer)
         core.set_world(core.world, core.rank)
         return restored
+
+    def report_resume(self, restored: Restored) -> None:
+        """Rank 0 records where a world that restored the newest state started from (`resume`)."""
+        core = self.core
+        if core.rank == 0 and self.progress is not None:
+            self.progress.resume(core.progress.step, core.world, None,
+                                 "restore" if restored.source != "fresh" else "start", source=restored.source)
 
     def session(self, commit: EngineCommit, resume: dict[str, Any] | None = None, **log_fields: Any) -> Summary:
         """Train in the current world from the core's state: the resume trace, then the loop.

@@ -247,9 +247,16 @@ class PreparedWorker:
     store: Any  # the spec's checkpoint store, checked (None without one)
 
 
-def prepare_worker(spec: TrainSpec, core: TrainCore | None = None, local_rank: int = 0) -> PreparedWorker:
+def slot_from_env() -> tuple[int, int | None]:
+    """(local rank, local size) of this process from Horovod's environment (the launcher sets it)."""
+    size = os.environ.get("HOROVOD_LOCAL_SIZE", "")
+    return int(os.environ.get("HOROVOD_LOCAL_RANK") or 0), int(size) if size.isdigit() else None
+
+
+def prepare_worker(spec: TrainSpec, core: TrainCore | None = None) -> PreparedWorker:
     if core is None:
-        core = TrainCore(spec, rank=0, world=1, local_rank=local_rank)
+        local_rank, local_size = slot_from_env()
+        core = TrainCore(spec, rank=0, world=1, local_rank=local_rank, local_size=local_size)
         core.warm_up()
     prime_optimizer_state(core.optimizer)
     # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
@@ -306,7 +313,7 @@ class HorovodWorld(WorkerWorld):
 
     def join(self, runner: WorkerRunner) -> TrainCore:
         if self.prepared is None:
-            self.prepared = prepare_worker(self.spec, local_rank=int(os.environ.get("HOROVOD_LOCAL_RANK") or 0))
+            self.prepared = prepare_worker(self.spec)
         runner.store = self.prepared.store
         core = self.prepared.core
         init_horovod()

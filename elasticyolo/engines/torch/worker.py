@@ -156,8 +156,8 @@ class TorchWorld(WorkerWorld):
     snapshot_period_s = SNAPSHOT_PERIOD_S
     close_timeout_s = 30.0
 
-    def __init__(self, spec: TrainSpec, prepared: PreparedWorker | None, progress: EtcdProgress | None) -> None:
-        self.spec, self.prepared, self.progress = spec, prepared, progress
+    def __init__(self, spec: TrainSpec, prepared: PreparedWorker | None) -> None:
+        self.spec, self.prepared = spec, prepared
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._collectives: TorchCollectives | None = None
 
@@ -177,7 +177,9 @@ class TorchWorld(WorkerWorld):
         init_process_group(self.spec)
         rank, world = dist.get_rank(), dist.get_world_size()
         if self.prepared is None:
-            core = TrainCore(self.spec, rank=rank, world=world, local_rank=self.local_rank, work_dir=runner.env.run_dir)
+            size = os.environ.get("LOCAL_WORLD_SIZE", "")
+            core = TrainCore(self.spec, rank=rank, world=world, local_rank=self.local_rank, work_dir=runner.env.run_dir,
+                             local_size=int(size) if size.isdigit() else None)
         else:
             core = self.prepared.core
             runner.store = self.prepared.store
@@ -194,9 +196,7 @@ class TorchWorld(WorkerWorld):
             finish_snapshot_on_sigterm(runner.snapshots, stop_at_commit=stop.request)
         core.grad_allreduce = make_allreduce(core.world, self.spec.fp16_allreduce, stop)  # before the first step
         restored = runner.restore()
-        if core.rank == 0 and self.progress is not None:
-            self.progress.resume(core.progress.step, core.world, None,
-                                 "restore" if restored.source != "fresh" else "start", source=restored.source)
+        runner.report_resume(restored)
         return runner.session(stop or EngineCommit(), resume={
             "source": restored.source, "src_rank": restored.src_rank, "node": env.node_id,
             "local_rank": self.local_rank, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -218,7 +218,7 @@ def main(spec: TrainSpec, *, commit_target_s: float, sinks: list[ProgressSink] |
     """The worker entry point (`elasticyolo worker` through the engine registry).
     `prepared`: by a warm process before the round, else everything is built here."""
     try:
-        WorkerRunner(spec, TorchWorld(spec, prepared, progress), commit_target_s=commit_target_s, sinks=sinks,
+        WorkerRunner(spec, TorchWorld(spec, prepared), commit_target_s=commit_target_s, sinks=sinks,
                      progress=progress).run()
     finally:
         if dist.is_initialized():
