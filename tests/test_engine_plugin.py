@@ -118,7 +118,7 @@ def test_a_plugin_that_lacks_a_required_part_is_refused_in_one_line(monkeypatch:
     with pytest.raises(UserError) as lacking:
         registry.register(NoWorkerModules())
     assert "lacks worker_modules" in str(lacking.value) and "\n" not in str(lacking.value)
-    with pytest.raises(UserError, match="lacks Engine") as duck:
+    with pytest.raises(UserError, match="refused: a NotAnEngine, not an elasticyolo.engines.base.Engine") as duck:
         registry.register(NotAnEngine())
     assert "\n" not in str(duck.value)
     assert "partial" not in registry.names() and "duck" not in registry.names()

@@ -32,6 +32,9 @@ def _load(target: str) -> Any:
 
 
 def _checked(engine: Any, name: str, where: str) -> Engine:
+    if not isinstance(engine, Engine):
+        raise UserError(f"engine {name!r} ({where}) is refused: a {type(engine).__name__}, not an "
+                        "elasticyolo.engines.base.Engine")
     missing = missing_parts(engine)
     if missing:
         raise UserError(f"engine {name!r} ({where}) is refused: it lacks {', '.join(missing)} (engines/base.py)")
