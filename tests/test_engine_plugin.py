@@ -31,8 +31,8 @@ from elasticyolo.spec import TrainSpec
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 ENGINES = "tiny=tiny_engine:ENGINE"
-EPOCHS = 30
-STEPS_PER_EPOCH = 2  # 4 images, batch 2, one node's world of one
+EPOCHS = 6
+STEPS_PER_EPOCH = 4  # 8 images, batch 2, one node's world of one
 
 
 @pytest.fixture
@@ -143,18 +143,18 @@ def test_third_engine_runs_under_real_agents(etcd_server, job_name: str, tmp_pat
                                              agents: dict[str, AgentProcess]) -> None:
     ep = etcd_server.endpoints
     client, keys = EtcdClient(ep), JobKeys(job_name)
-    data = write_dataset(tmp_path / "data", SynthSpec(train=4, val=2, imgsz=32, classes=1))
+    data = write_dataset(tmp_path / "data", SynthSpec(train=8, val=2, imgsz=32, classes=1))
     store = f"file://{tmp_path / 'store'}"
-    env = {**plugin_env, "ELASTICYOLO_WORK_DIR": str(tmp_path / "nodes")}
+    env = {**plugin_env, "ELASTICYOLO_WORK_DIR": str(tmp_path / "nodes"), "OMP_NUM_THREADS": "1"}
 
     def start(node: str) -> AgentProcess:
         agents[node] = AgentProcess(ep, job_name, node, ttl=2, log_dir=tmp_path, env=env).start()
         return agents[node]
 
     a, b = start("a"), start("b")
-    spec = TrainSpec.from_pairs([f"data={data}", "engine=tiny", f"epochs={EPOCHS}", "commit_every=2", "imgsz=32",
+    spec = TrainSpec.from_pairs([f"data={data}", "engine=tiny", f"epochs={EPOCHS}", "commit_every=4", "imgsz=32",
                                  "batch=2", "nbs=2", "val=false", "workers=0", "warmup_epochs=0", "close_mosaic=0",
-                                 f"checkpoint={store}", "save_period_steps=2", "checkpoint_nice=0"])
+                                 f"checkpoint={store}", "save_period_steps=0", "checkpoint_nice=0"])
     assert submit_spec(client, keys, spec, by="test")
 
     # Both nodes train the tiny engine's job; status shows its progress and last checkpoint.
