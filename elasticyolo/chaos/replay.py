@@ -219,6 +219,44 @@ def replay_services(o: ReplayOptions, spec: list[str], root: Path, notice_s: flo
         yield ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, notice_s, say, slices=slices)
 
 
+def write_json(path: Path, out: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+
+
+@contextlib.contextmanager
+def live_run(what: str, o: ReplayOptions, out: dict[str, Any], root: Path, t_begin: float,
+             dead: Callable[[dict[str, Any], str], None], say: Callable[[str], None]) -> Iterator[None]:
+    """The live part of a replay or a sweep. A job that dies scores nothing: `dead` sets its zeros
+    (never a figure from the part before it died), the JSON says `"failed": true` with the reason,
+    and the run ends with a one-line error. Any other failure (a world that never formed) ends it
+    the same way. The work dir is kept after a failure (logs, traces), else removed unless `keep`."""
+    from elasticyolo.chaos.runner import JobFailed
+
+    failed = False
+    try:
+        yield
+    except JobFailed as exc:
+        failed = True
+        died = str(exc).splitlines()[0]
+        out.update(failed=True, reason=died, wall_s=round(time.monotonic() - t_begin, 1))
+        dead(out, died)
+        write_json(o.json_out, out)
+        raise ReplayFailed(f"{what} failed: {died} (JSON with \"failed\": true written to {o.json_out}; "
+                           f"agent logs and worker traces kept under {root})") from None
+    except (AssertionError, RuntimeError) as exc:
+        failed = True
+        raise ReplayFailed(f"{what} failed: {str(exc).splitlines()[0]} "
+                           f"(agent logs and worker traces kept under {root})") from None
+    finally:
+        if not failed and not o.keep:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+        elif not failed:
+            say(f"work dir kept: {root}")
+
+
 def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.AbstractContextManager[Any]:
     """Each simulated node's accelerator, a CPU quota for its training, beside its host (testing/
     cpu_slices.py): without them, the nodes share the host's cores, and neither the ideal nor a
@@ -247,7 +285,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         say(f"  victim (seed {o.seed}): {node} at t={t:.1f}s " + (f"after a {prep.notice_s:g}s notice" if noticed
                                                                    else "by SIGKILL, no notice"))
     # Heavy imports only now (the CLI stays quick for bad input).
-    from elasticyolo.chaos.runner import SHARED_STEPS, Episode, JobFailed, run_checkpoint_restart, run_elastic
+    from elasticyolo.chaos.runner import SHARED_STEPS, Episode, run_checkpoint_restart, run_elastic
     from elasticyolo.data.synth import SynthSpec, write_dataset
 
     root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-replay-")).resolve()
@@ -269,47 +307,28 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         "spec": spec,
     }
     t_begin = time.monotonic()
-    failed = False
-    try:
+
+    def dead(out: dict[str, Any], reason: str) -> None:
+        out["systems"] = {"elasticyolo": {"failed": True, "reason": reason, "goodput_vs_ideal": 0.0,
+                                          "committed_samples": 0}}
+
+    with live_run("replay", o, out, root, t_begin, dead, say):
         with replay_services(o, spec, root, prep.notice_s, say) as env:
             out["cpus_per_node"] = round(env.slices.cpus, 3) if env.slices else None
             say("elasticyolo: calibrating steady-state samples/s per node count, then replaying")
-            try:
-                episode = Episode(prep.elastic, tl.duration_s, final_world(tl))
-                er = run_elastic(env, [episode] * o.repeats, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s),
-                                 shared_steps=SHARED_STEPS if o.accuracy else 0)
-                runs = [er]
-                if prep.restart is not None:
-                    say("checkpoint-restart: replaying the same window, stop-the-world at every change")
-                    runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final_world(tl),
-                                                       repeats=o.repeats))
-                if o.accuracy:
-                    from elasticyolo.chaos.accuracy import check_accuracy
+            episode = Episode(prep.elastic, tl.duration_s, final_world(tl))
+            er = run_elastic(env, [episode] * o.repeats, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s),
+                             shared_steps=SHARED_STEPS if o.accuracy else 0)
+            runs = [er]
+            if prep.restart is not None:
+                say("checkpoint-restart: replaying the same window, stop-the-world at every change")
+                runs.append(run_checkpoint_restart(env, prep.restart, tl.duration_s, o.nodes, final_world(tl),
+                                                   repeats=o.repeats))
+            if o.accuracy:
+                from elasticyolo.chaos.accuracy import check_accuracy
 
-                    out["accuracy"] = check_accuracy(env, data, o.imgsz, first_world(er.events, prep.elastic),
-                                                     o.nodes, timeout_s=max(600.0, 5 * tl.duration_s))
-            except JobFailed as exc:
-                # A dead job scores nothing: goodput 0, never a figure from the part before it died.
-                failed = True
-                died = str(exc).splitlines()[0]
-                out.update(failed=True, reason=died, wall_s=round(time.monotonic() - t_begin, 1),
-                           systems={"elasticyolo": {"failed": True, "reason": died, "goodput_vs_ideal": 0.0,
-                                                    "committed_samples": 0}})
-                o.json_out.parent.mkdir(parents=True, exist_ok=True)
-                o.json_out.write_text(json.dumps(out, indent=2))
-                raise ReplayFailed(f"replay failed: {died} (JSON with \"failed\": true written to {o.json_out}; "
-                                   f"agent logs and worker traces kept under {root})") from None
-            except (AssertionError, RuntimeError) as exc:
-                failed = True
-                raise ReplayFailed(f"replay failed: {str(exc).splitlines()[0]} "
-                                   f"(agent logs and worker traces kept under {root})") from None
-    finally:
-        if not o.keep and not failed:
-            import shutil
-
-            shutil.rmtree(root, ignore_errors=True)
-        elif not failed:
-            say(f"work dir kept: {root}")
+                out["accuracy"] = check_accuracy(env, data, o.imgsz, first_world(er.events, prep.elastic),
+                                                 o.nodes, timeout_s=max(600.0, 5 * tl.duration_s))
     out["wall_s"] = round(time.monotonic() - t_begin, 1)
     # The ideal: the calibrations' median steady rates, before and after the replay (chaos/
     # runner.py). The replays' own steady stretches are reported beside them as a check (the load
@@ -356,8 +375,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
         if rfig.changes:
             out["projection"]["costs_used"]["checkpoint-restart.lost_work"]["live_mean_lost_s"] = round(
                 sum(c.lost_samples / rates[c.before] for c in rfig.changes) / len(rfig.changes), 3)
-    o.json_out.parent.mkdir(parents=True, exist_ok=True)
-    o.json_out.write_text(json.dumps(out, indent=2))
+    write_json(o.json_out, out)
     if o.plot_out is not None:
         from elasticyolo.chaos.plot import plot_replay
 

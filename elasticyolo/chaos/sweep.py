@@ -12,7 +12,6 @@ calibration instead of 7.
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import statistics
@@ -23,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from elasticyolo.chaos.replay import (Prepared, ReplayFailed, ReplayOptions, calibration_span_s, change_kinds,
-                                      final_world, job_spec, prepare, replay_services)
+from elasticyolo.chaos.replay import (Prepared, ReplayOptions, calibration_span_s, change_kinds, final_world,
+                                      job_spec, live_run, prepare, replay_services, write_json)
 from elasticyolo.chaos.schedule import timeline
 from elasticyolo.chaos.trace import SpotTrace, TraceError, Window, load_trace
 
@@ -64,7 +63,7 @@ def run_sweep(o: ReplayOptions, min_changes: int, say: Callable[[str], None] = p
         f"{o.nodes} nodes, compressed {o.compress:g}x: hours " + ", ".join(f"{h:g}" for h, _ in windows))
 
     from elasticyolo.chaos.measure import measure
-    from elasticyolo.chaos.runner import Episode, JobFailed, run_elastic
+    from elasticyolo.chaos.runner import Episode, run_elastic
     from elasticyolo.data.synth import SynthSpec, write_dataset
 
     root = Path(o.workdir or tempfile.mkdtemp(prefix="elasticyolo-sweep-")).resolve()
@@ -80,36 +79,18 @@ def run_sweep(o: ReplayOptions, min_changes: int, say: Callable[[str], None] = p
                      "initial_world": p.timeline.initial} for h, p in windows],
     }
     t_begin = time.monotonic()
-    notice_s = windows[0][1].notice_s
-    failed = False
-    try:
-        with replay_services(o, spec, root, notice_s, say) as env:
+
+    def dead(out: dict[str, Any], reason: str) -> None:
+        out.update(worst_goodput_vs_ideal=0.0, median_goodput_vs_ideal=0.0)
+        for w in out["windows"]:
+            w["goodput_vs_ideal"] = 0.0
+
+    with live_run("sweep", o, out, root, t_begin, dead, say):
+        with replay_services(o, spec, root, windows[0][1].notice_s, say) as env:
             out["cpus_per_node"] = round(env.slices.cpus, 3) if env.slices else None
             episodes = [Episode(p.elastic, p.timeline.duration_s, final_world(p.timeline)) for _, p in windows]
             say("elasticyolo: calibrating steady-state samples/s per node count, then replaying each window")
-            try:
-                run = run_elastic(env, episodes, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s))
-            except JobFailed as exc:
-                failed = True
-                died = str(exc).splitlines()[0]
-                out.update(failed=True, reason=died, worst_goodput_vs_ideal=0.0, median_goodput_vs_ideal=0.0,
-                           wall_s=round(time.monotonic() - t_begin, 1))
-                for w in out["windows"]:
-                    w["goodput_vs_ideal"] = 0.0
-                _write(o.json_out, out)
-                raise ReplayFailed(f"sweep failed: {died} (JSON with \"failed\": true written to {o.json_out}; "
-                                   f"agent logs and worker traces kept under {root})") from None
-            except (AssertionError, RuntimeError) as exc:
-                failed = True
-                raise ReplayFailed(f"sweep failed: {str(exc).splitlines()[0]} "
-                                   f"(agent logs and worker traces kept under {root})") from None
-    finally:
-        if not o.keep and not failed:
-            import shutil
-
-            shutil.rmtree(root, ignore_errors=True)
-        elif not failed:
-            say(f"work dir kept: {root}")
+            run = run_elastic(env, episodes, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s))
     out["wall_s"] = round(time.monotonic() - t_begin, 1)
     rates = dict(run.rates)
     out["ideal_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(rates.items())}
@@ -128,7 +109,7 @@ def run_sweep(o: ReplayOptions, min_changes: int, say: Callable[[str], None] = p
     out["median_goodput_vs_ideal"] = round(statistics.median(goodputs), 4)
     # Coverage spans the whole history: the last window's check holds for the run.
     out["duplicates"], out["skipped"] = out["windows"][-1]["duplicates"], out["windows"][-1]["skipped"]
-    _write(o.json_out, out)
+    write_json(o.json_out, out)
     return out
 
 
@@ -145,7 +126,3 @@ def summary(out: dict[str, Any]) -> str:
                  + (f"; FAILED: {out['reason']}" if out.get("failed") else ""))
     return "\n".join(lines)
 
-
-def _write(path: Path, out: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
