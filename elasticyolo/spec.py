@@ -13,6 +13,7 @@ from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from elasticyolo.engines.names import BUILTIN as BUILTIN_ENGINES, DEFAULT as DEFAULT_ENGINE
 from elasticyolo.errors import UserError
 from elasticyolo.s3options import S3Settings
 
@@ -70,11 +71,13 @@ class TrainSpec(S3Settings):
         "22.cv2 for part of one); their BatchNorm statistics stay too"))
 
     # Elasticity.
-    engine: str = Field("horovod", description="horovod, torch, or a registered engine (engines/registry.py)")
+    engine: str = Field(DEFAULT_ENGINE, description=f"{', '.join(BUILTIN_ENGINES)}, or a registered engine "
+                                                    "(engines/registry.py)")
     policy: Literal["linear", "constant_global_batch"] = "linear"
     ref_world: int = Field(1, ge=1, description="world size lr0 (and the global batch) is tuned for")
     resize_warmup_steps: int = Field(20, ge=0, description="LR ramp after a resize (linear policy)")
-    commit_every: int = Field(0, ge=0, description="steps between Horovod commits; 0 = about 1 s of work")
+    commit_every: int = Field(0, ge=0, description="optimizer steps between commits, for every engine; 0 = about "
+                                                    "the engine's commit_target_s seconds of work (docs/engines.md)")
     min_nodes: int = Field(1, ge=1)
     max_nodes: int | None = Field(None, ge=1)
     slots: int = Field(1, ge=1, description="workers per node")
@@ -137,7 +140,7 @@ class TrainSpec(S3Settings):
     @field_validator("engine")
     @classmethod
     def _engine_known(cls, v: str) -> str:
-        from elasticyolo.engines.registry import check_engine_name
+        from elasticyolo.engines.names import check_engine_name
 
         return check_engine_name(v)
 

@@ -13,10 +13,10 @@ pytest.importorskip("torch")
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
 from elasticyolo.train.core import TrainCore, quiet_ultralytics  # noqa: E402
-from elasticyolo.train.loop import TrainingLoop  # noqa: E402
+from elasticyolo.train.loop import Hooks as BaseHooks, TrainingLoop  # noqa: E402
 
 
-class Hooks:
+class Hooks(BaseHooks):
     def __init__(self, core: TrainCore, now_after: set[int], every: int = 0) -> None:
         self.core, self.now_after, self.every = core, now_after, every
         self.commits: list[int] = []

@@ -104,7 +104,7 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def test_no_import_cycles_inside_the_package() -> None:
     graph = import_graph()
-    assert len(graph) > 50 and "elasticyolo.engines.registry" in graph["elasticyolo.spec"]
+    assert len(graph) > 50 and "elasticyolo.engines.names" in graph["elasticyolo.spec"]
     found = cycles(graph)
     detail = ["; ".join(f"{a} -> {b} (line {graph[a][b]})" for a in comp for b in graph[a] if b in comp)
               for comp in found]
@@ -118,8 +118,9 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 # ---- layers -------------------------------------------------------------------------------------
 # The package's layers, lowest first. A module imports only from its own layer and the layers
 # below it, lazily or not. A module belongs to the layer of the longest entry that names it or a
-# package above it (`engines.registry` is below the rest of `engines`: the spec checks engine
-# names against it; `worker_runtime.worker_env` is below the rest of `worker_runtime`: it is the
+# package above it (`engines.names`, the engine registry's table, is below the rest of `engines`:
+# the spec checks engine names against it, while `engines.registry`, which loads an engine and
+# checks it is an `engines.base.Engine`, sits with the engines; `worker_runtime.worker_env` is below the rest of `worker_runtime`: it is the
 # environment contract that `config.py` and `train/` read too).
 LAYERS: list[set[str]] = [
     # foundations: errors, logging, processes, S3 options, prices; the tensor memory layout (torch only)
@@ -127,7 +128,7 @@ LAYERS: list[set[str]] = [
      "weights_file", "run_layout", "cost", "train.layout"},
     {"checkpoint.stores"},  # object stores: s3://, file://
     {"staging"},  # s3:// datasets and weights staged into a node cache
-    {"models", "spec", "engines.registry"},  # what a job is: the spec, its weights, its engine's name
+    {"models", "spec", "engines.names"},  # what a job is: the spec, its weights, its engine's name
     {"cluster", "spot"},  # etcd (keys, jobs, nodes, election, liveness) and the clouds' interruption notices
     {"checkpoint"},  # checkpoints: format, manager, restore, catalog
     {"config", "worker_runtime.worker_env"},  # the agent's configuration and the workers' environment

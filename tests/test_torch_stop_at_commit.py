@@ -63,7 +63,7 @@ def _stop(step: int = 7, submitted: int = 7, peers_asking: int = 0, wait_s: floa
 
 
 def _commit(stop: StopAtCommit, between: Any = None) -> None:
-    """A commit as `engines/commit.py` makes it: save, the snapshot, agree, the checkpoint, check."""
+    """A commit as `worker_runtime/commit.py` makes it: save, the snapshot, agree, the checkpoint, check."""
     stop.save()
     stop.agree()
     if between is not None:
@@ -249,12 +249,12 @@ def test_two_ranks_average_their_gradients_and_agree_on_the_commit_in_the_same_a
 
 
 def test_a_commit_snapshots_before_the_ranks_agree_and_checkpoints_after() -> None:
-    """`engines/commit.py`'s order: a peer dying in the agreement must not cost this node its
+    """`worker_runtime/commit.py`'s order: a peer dying in the agreement must not cost this node its
     snapshot of the commit (seen: the survivor of a SIGKILLed node resumed two steps back), and
     rank 0's checkpoint copy must not hold the peers at the agreement."""
     from types import SimpleNamespace
 
-    from elasticyolo.engines.commit import CommitHooks
+    from elasticyolo.worker_runtime.commit import CommitHooks
 
     calls: list[str] = []
     core = SimpleNamespace(spec=SimpleNamespace(commit_every=0), progress=SimpleNamespace(step=3))

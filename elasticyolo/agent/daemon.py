@@ -81,9 +81,10 @@ class Agent:
             preemptible=cfg.preemptible, instance_type=cfg.instance_type, zone=cfg.zone,
             price_per_hour=price.per_hour, agent_version=__version__, started_at=time.time(),
             pid=os.getpid(), extra={"on_demand_per_hour": price.on_demand_per_hour, "price_source": price.source,
-                                    # Nothing is warm yet: without this, Horovod's discovery would
-                                    # offer every slot until the engine's pool reports (a join
-                                    # then stalls the world for the whole warm-up).
+                                    # Nothing is warm yet: without this, an engine that offers a
+                                    # node's ready slots would offer every slot until its warm
+                                    # pool reports (a join then stalls the world for the whole
+                                    # warm-up).
                                     **({"ready_slots": 0} if prewarm_enabled() else {})},
         )
         self.registration = NodeRegistration(self.client, self.keys, self.record, cfg.ttl,

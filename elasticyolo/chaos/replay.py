@@ -22,6 +22,7 @@ from elasticyolo.chaos.measure import measure, pool, stretch_rates
 from elasticyolo.chaos.projection import EventCost, project
 from elasticyolo.chaos.schedule import Plan, ReplayTimeline, plan_checkpoint_restart, plan_elastic, timeline
 from elasticyolo.chaos.trace import SpotTrace, TraceError, check_window, load_trace
+from elasticyolo.engines.names import DEFAULT as DEFAULT_ENGINE, check_engine_name
 from elasticyolo.errors import UserError
 
 BASELINE = "checkpoint-restart"
@@ -61,7 +62,7 @@ class ReplayOptions:
     hours: float
     json_out: Path
     plot_out: Path | None = None
-    engine: str = "horovod"
+    engine: str = DEFAULT_ENGINE
     baseline: str | None = BASELINE
     notice_s: float | None = None  # default 120 / compress
     notice_fraction: float = 1.0
@@ -93,8 +94,10 @@ def prepare(o: ReplayOptions) -> Prepared:
     """Everything that can be wrong with the input, checked before anything starts."""
     if o.baseline not in (None, BASELINE):
         raise TraceError(f"--baseline {o.baseline!r}: only {BASELINE!r} is available")
-    if o.engine not in ("horovod", "torch"):
-        raise TraceError(f"--engine {o.engine!r}: horovod or torch")
+    try:
+        check_engine_name(o.engine)
+    except ValueError as exc:
+        raise TraceError(f"--engine {o.engine!r}: {exc}") from None
     if o.repeats < 1:
         raise TraceError(f"--repeats {o.repeats}: must be >= 1")
     if o.cpus_per_node is not None and not (o.cpus_per_node >= 0 and math.isfinite(o.cpus_per_node)):

@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from elasticyolo.engines.names import DEFAULT, names
+
 
 def _window_arguments(p: argparse.ArgumentParser) -> None:
     """What a replay and a sweep share: the trace and its scale, the job, the nodes, the output."""
     p.add_argument("--trace", type=Path, required=True, help="CSV of time_ms,node_count rows (no header)")
     p.add_argument("--nodes", type=int, required=True, help="K: local nodes the trace's maximum maps to")
     p.add_argument("--compress", type=float, required=True, help="F: time compression factor")
-    p.add_argument("--engine", choices=("horovod", "torch"), default="horovod")
+    p.add_argument("--engine", choices=names(), default=DEFAULT,
+                   help="the job's engine (any registered one, docs/engines.md)")
     p.add_argument("--notice-s", type=float, default=None, help="spot notice before a kill (default 120 / F)")
     p.add_argument("--notice-fraction", type=float, default=1.0, help="P: share of kills with a notice")
     p.add_argument("--seed", type=int, default=0, help="chooses the victims and which get a notice")

@@ -97,11 +97,11 @@ def run(args: argparse.Namespace) -> int:
     save_dir = resume_pt.parent.parent if resume_pt else new_save_dir(spec.project, spec.name or args.job,
                                                                        spec.exist_ok)
     from elasticyolo.train.core import TrainCore, quiet_ultralytics
-    from elasticyolo.train.loop import TrainingLoop
+    from elasticyolo.train.loop import LocalHooks, TrainingLoop
     from elasticyolo.train.report import JsonLines, ProgressBar
     from elasticyolo.train.run_folder import RunFolder
 
-    from elasticyolo.train.checkpointing import Checkpointer, LocalHooks
+    from elasticyolo.train.checkpointing import Checkpointer
 
     quiet_ultralytics()
     core = TrainCore(spec, work_dir=save_dir)

@@ -1,4 +1,4 @@
 """Training engines (Horovod Elastic, torch elastic, registered third ones) behind one interface:
-`base.py` (the `Engine` protocol), `registry.py`, `dispatch.py` (the agent runs the job's engine),
-`node.py` (agent side), `drain.py`, `commit.py`. What the workers run on is the package below
-(`elasticyolo/worker_runtime/`). See docs/engines.md."""
+`base.py` (the `Engine` interface), `registry.py` (and its table, `names.py`), `dispatch.py` (the
+agent runs the job's engine), `node.py` (agent side), `drain.py`. What the workers run on, the
+worker runner and what a commit is included, is the package below (`elasticyolo/worker_runtime/`). See docs/engines.md."""

@@ -1,20 +1,26 @@
 """The engine interface: what a training engine provides so the agents can run it.
 
 An engine (Horovod Elastic, torch elastic, or a third one registered in `registry.py`) is one
-object with five parts:
+object, an instance of a subclass of `Engine`. Its parts:
 
+Required (a plug-in without one is refused when registered, `registry.py`):
+* `name` - the spec's `engine=` value.
+* `commit_target_s` - **how often it commits**: every engine commits through
+  `worker_runtime/commit.py` (`EngineCommit.save()`, the node-local snapshot, the store checkpoint,
+  `EngineCommit.check()`), about every `commit_target_s` seconds of work unless the spec fixes
+  `commit_every`. This is the one place an engine's default interval is written.
+* `worker_modules` - the modules its worker entry imports, which the warm pool's zygote
+  (`worker_runtime/zygote.py`) imports once before forking warm workers (may be empty).
 * `node(agent)` - its **agent-side** plug-in (`engines/node.py`, an `AgentPlugin`): runs the
   engine's share of the job on one node (worker processes; on the leader whatever coordinates
   them) and exposes the effects the drain executor needs. No torch: the agent imports it.
 * `worker_main(spec, options)` - its **worker entry point**: `elasticyolo worker` looks the
-  spec's engine up and calls this in a fresh process (torch is imported here, not before).
+  spec's engine up and calls this in a fresh process (torch is imported here, not before);
+  usually a `worker_runtime.runner.WorkerRunner` with the engine's `WorkerWorld`.
+
+Optional (the defaults here):
 * `plan_drain(situation)` - its **drain planner**: a pure function choosing how a node leaves the
-  world (`engines/drain.py` runs the plan).
-* `worker_modules` - the modules its worker entry imports, which the warm pool's zygote
-  (`worker_runtime/zygote.py`) imports once before forking warm workers.
-* `commit_target_s` - **what a commit is**: every engine commits through `engines/commit.py`
-  (`EngineCommit.save()`, the node-local snapshot, the store checkpoint, `EngineCommit.check()`),
-  about every `commit_target_s` seconds of work unless the spec fixes `commit_every`.
+  world (`engines/drain.py` runs the plan). Default: stop the node's workers (`plan_stop`).
 
 The agent looks a job's engine up once per submission (`engines/dispatch.py`); nothing else
 branches on the engine's name.
@@ -22,9 +28,10 @@ branches on the engine's name.
 
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any
 
 from elasticyolo.worker_runtime.options import WorkerOptions as WorkerOptions  # part of the engine interface
 
@@ -75,19 +82,35 @@ class DrainSituation:
     needed_slots: int = 0  # slots the job needs (min_nodes x slots)
 
 
-class Engine(Protocol):
-    name: str
-    commit_target_s: float
-    worker_modules: tuple[str, ...]  # what its workers import: the warm pool's zygote imports them once
-
-    def node(self, agent: "NodeAPI") -> "AgentPlugin":
-        """Usually an `engines.node.EngineNode` (which runs the shared drain)."""
-
-    def plan_drain(self, situation: DrainSituation) -> DrainPlan: ...
-
-    def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int: ...
-
-
 def plan_stop(situation: DrainSituation) -> DrainPlan:
     """The planner of engines that restart their world on any change: stop the workers."""
     return STOP
+
+
+class Engine(abc.ABC):
+    """The engine interface (see the module's docstring for each part)."""
+
+    # Required.
+    name: str
+    commit_target_s: float  # seconds of work between commits, unless the spec fixes `commit_every`
+    worker_modules: tuple[str, ...]  # what its workers import: the warm pool's zygote imports them once
+
+    @abc.abstractmethod
+    def node(self, agent: "NodeAPI") -> "AgentPlugin":
+        """Usually an `engines.node.EngineNode` (which runs the shared drain)."""
+
+    @abc.abstractmethod
+    def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int: ...
+
+    # Optional.
+    def plan_drain(self, situation: DrainSituation) -> DrainPlan:
+        return plan_stop(situation)
+
+
+REQUIRED_PARTS = ("name", "commit_target_s", "worker_modules", "node", "worker_main")
+
+
+def missing_parts(engine: Any) -> list[str]:
+    """The required parts `engine` lacks ([] for a complete `Engine`)."""
+    abstract = getattr(type(engine), "__abstractmethods__", frozenset())
+    return [part for part in REQUIRED_PARTS if part in abstract or not hasattr(engine, part)]

@@ -1,68 +1,25 @@
-"""Engine names -> engines. Torch-free and cheap: specs validate their `engine` here.
+"""Engine names -> engines: `get(name)` loads the engine a spec names and checks it is one.
 
-Where engines come from, later ones winning on a name clash:
-1. the built-ins below;
-2. the `elasticyolo.engines` entry-point group (`name = "package.module:ENGINE"`), for engines
-   shipped in their own package;
-3. `$ELASTICYOLO_ENGINES`: `name=module:attr[,name=module:attr...]`, for an engine on the
-   PYTHONPATH (development, tests). Agents, `submit` and workers must all see the same setting.
-
-Only names are read eagerly; an engine's module is imported when the engine is first used.
-This module imports nothing of elasticyolo's but its errors: `spec.py` validates `engine` here.
-`get()` returns an `engines.base.Engine` (typed `Any`: it is loaded from a string).
+The names and where each engine's object is live in `names.py` (the spec validates `engine`
+there, below everything else); only names are read eagerly, and an engine's module is imported
+when the engine is first used. An object that lacks a required part of `engines.base.Engine` is
+refused, when registered (`register`) or when first loaded by name (`get`), with one line naming
+what it lacks.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from functools import lru_cache
 from typing import Any
 
+from elasticyolo.engines import names as table
+from elasticyolo.engines.base import Engine, missing_parts
+from elasticyolo.engines.names import (  # noqa: F401 - the registry's table, re-exported
+    BUILTIN, DEFAULT, ENTRY_POINT_GROUP, ENV_ENGINES, check_engine_name, names, sources)
 from elasticyolo.errors import UserError
 
-ENV_ENGINES = "ELASTICYOLO_ENGINES"
-ENTRY_POINT_GROUP = "elasticyolo.engines"
-BUILTIN = {
-    "horovod": "elasticyolo.engines.horovod.engine:ENGINE",
-    "torch": "elasticyolo.engines.torch.engine:ENGINE",
-}
-
-
-@lru_cache(maxsize=8)
-def _sources(env_value: str) -> dict[str, str]:
-    found = dict(BUILTIN)
-    try:
-        from importlib.metadata import entry_points
-
-        found.update({ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)})
-    except Exception:  # noqa: BLE001 - broken package metadata must not hide the built-ins
-        pass
-    for item in filter(None, (p.strip() for p in env_value.split(","))):
-        name, sep, target = item.partition("=")
-        if not sep or ":" not in target:
-            raise UserError(f"{ENV_ENGINES}: expected name=module:attr, got {item!r}")
-        found[name.strip()] = target.strip()
-    return found
-
-
-def sources() -> dict[str, str]:
-    """name -> "module:attr" of every known engine."""
-    return _sources(os.environ.get(ENV_ENGINES, ""))
-
-
-def names() -> list[str]:
-    return list(sources())
-
-
-def check_engine_name(name: str) -> str:
-    """`name` if an engine of that name is known; ValueError listing the known ones otherwise."""
-    known = names()
-    if name not in known:
-        quoted = [repr(n) for n in known]
-        choices = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
-        raise ValueError(f"Input should be {choices}")
-    return name
+_registered: dict[str, Engine] = {}  # by `register()`, in this process
 
 
 @lru_cache(maxsize=16)
@@ -74,8 +31,36 @@ def _load(target: str) -> Any:
     return obj
 
 
-def get(name: str) -> Any:
-    """The engine called `name` (its module is imported now). UserError when unknown or broken."""
+def _checked(engine: Any, name: str, where: str) -> Engine:
+    if not isinstance(engine, Engine):
+        raise UserError(f"engine {name!r} ({where}) is refused: a {type(engine).__name__}, not an "
+                        "elasticyolo.engines.base.Engine")
+    missing = missing_parts(engine)
+    if missing:
+        raise UserError(f"engine {name!r} ({where}) is refused: it lacks {', '.join(missing)} (engines/base.py)")
+    if engine.name != name:
+        raise UserError(f"engine {name!r} ({where}) calls itself {engine.name!r}")
+    return engine
+
+
+def register(engine: Any, name: str | None = None) -> Engine:
+    """Register `engine` in this process under `name` (default: its own `name`), after checking
+    it has every required part. Agents, `submit` and workers that run in other processes find
+    engines by `$ELASTICYOLO_ENGINES` or the entry points (`names.py`) instead."""
+    where = f"{type(engine).__module__}.{type(engine).__qualname__}"
+    name = name or getattr(engine, "name", None)
+    if not isinstance(name, str) or not name:
+        raise UserError(f"engine ({where}) is refused: it lacks name (engines/base.py)")
+    _registered[name] = _checked(engine, name, where)
+    table.add(name, where)
+    return engine
+
+
+def get(name: str) -> Engine:
+    """The engine called `name` (its module is imported now). UserError when unknown, broken or
+    not a whole `Engine`."""
+    if name in _registered:
+        return _registered[name]
     try:
         check_engine_name(name)
     except ValueError as exc:
@@ -83,8 +68,6 @@ def get(name: str) -> Any:
     target = sources()[name]
     try:
         engine = _load(target)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a plug-in's import may fail any way; one line says how
         raise UserError(f"engine {name!r} ({target}) cannot be loaded: {exc}") from None
-    if getattr(engine, "name", None) != name:
-        raise UserError(f"engine {name!r} ({target}) calls itself {getattr(engine, 'name', None)!r}")
-    return engine
+    return _checked(engine, name, target)

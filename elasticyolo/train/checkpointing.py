@@ -4,7 +4,7 @@ Glue between `TrainCore` (`elasticyolo.train.state`) and the checkpoint subsyste
 (`elasticyolo.checkpoint`). Only rank 0 saves and restores: a freshly started world compares the
 store's newest step with the node-local snapshots (`train/snapshots.py` `restore_newest`), and
 rank 0 hands what it loaded to the others (or Horovod's sync does). Only committed state is ever
-checkpointed: saves happen at a commit, right after the node-local snapshot (`engines/commit.py`).
+checkpointed: saves happen at a commit, right after the node-local snapshot (`worker_runtime/commit.py`).
 """
 
 from __future__ import annotations
@@ -123,16 +123,3 @@ class Checkpointer:
     def close(self, timeout: float = 60.0) -> None:
         if self.manager is not None:
             self.manager.close(timeout=timeout)
-
-
-class LocalHooks:
-    """Single-process training: a commit is just a checkpoint opportunity."""
-
-    def __init__(self, core: TrainCore, checkpointer: Checkpointer) -> None:
-        self.core, self.checkpointer = core, checkpointer
-
-    def commit(self) -> None:
-        self.checkpointer.after_commit(self.core)
-
-    def commit_every(self, core: TrainCore) -> int:
-        return 1 if self.checkpointer.enabled else 0

@@ -14,7 +14,6 @@ warmup are functions of (epoch, fraction of epoch done), so they do not depend o
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,15 +95,6 @@ class StepResult:
         return {k: v / n for k, v in zip(self.loss_items, self._read()[1:])}
 
 
-def local_size(spec: TrainSpec) -> int:
-    """Training processes on this node: from the engine's environment, else the spec's slots (a
-    pre-warmed process builds its core before it knows its engine environment)."""
-    for name in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return spec.slots
-
-
 @dataclass
 class Progress:
     """Everything that must survive a rollback or a restart besides model/optimizer/EMA."""
@@ -143,10 +133,14 @@ class TrainCore:
         local_rank: int = 0,
         grad_allreduce: GradAllreduce = no_allreduce,
         work_dir: str | Path | None = None,
+        local_size: int | None = None,
     ) -> None:
         self.spec = spec
         self.rank, self.world, self.local_rank = rank, world, local_rank
-        if loader_workers(spec.workers, local_size(spec)) > 0:
+        # Training processes on this node (they share its CPUs): from the engine's environment,
+        # else the spec's slots (a warm worker builds its core before it has that environment).
+        self.local_size = local_size or spec.slots
+        if loader_workers(spec.workers, self.local_size) > 0:
             from elasticyolo.mp import start_fork_server
 
             start_fork_server()  # its imports overlap with building the model and datasets
@@ -181,7 +175,7 @@ class TrainCore:
         self.val_set: Any = self._build_val_set() if spec.val else None
         self.sampler = ElasticSampler(len(self.train_set), spec.batch, seed=spec.seed)
         datasets = {"train": self.train_set, **({"val": self.val_set} if self.val_set is not None else {})}
-        self.loader = BatchLoader(datasets, self.hyp, loader_workers(spec.workers, local_size(spec)),
+        self.loader = BatchLoader(datasets, self.hyp, loader_workers(spec.workers, self.local_size),
                                   device=self.device, seed=spec.seed)  # + each request's key: see BatchBuilder
         self._val_runs = 0
         self.amp = bool(spec.amp and self.device.type == "cuda")

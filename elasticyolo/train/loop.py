@@ -11,33 +11,53 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from elasticyolo.train import sim_accelerator
-from elasticyolo.train.checkpointing import saves_checkpoints
+from elasticyolo.train.checkpointing import Checkpointer, saves_checkpoints
 from elasticyolo.train.core import StepResult, TrainCore
 from elasticyolo.train.fitness import should_stop
 
 ProgressSink = Callable[[dict[str, Any]], None]
 
 
-class Hooks(Protocol):
-    """What an engine provides. It may also provide `gather(obj) -> list` (an all-gather of a
-    Python object across the world) for sharded validation, without which one rank validates
-    all; and `commit_now() -> bool`, asked after every step: the world agreed to commit at this
-    step as well (the same answer on every rank)."""
+class Hooks:
+    """What the loop asks of the world it trains in. Every part has a default: no commits, no
+    extra commit points, one rank validates all."""
 
-    def commit(self) -> None: ...
-
-    def commit_every(self, core: TrainCore) -> int: ...
-
-
-class NoCommit:
     def commit(self) -> None:
+        """Make the state at this step the world's committed state."""
         return None
 
     def commit_every(self, core: TrainCore) -> int:
+        """Steps until the next commit (0: only at epoch ends and at the end); asked after each."""
         return 0
+
+    def commit_now(self) -> bool:
+        """Asked after every step: the world agreed to commit at this step as well (the same
+        answer on every rank)."""
+        return False
+
+    # An all-gather of a Python object across the world, for sharded validation
+    # (`TrainCore.validate`); None: one rank validates all.
+    gather: Callable[[Any], list[Any]] | None = None
+
+
+class NoCommit(Hooks):
+    """Training without commits."""
+
+
+class LocalHooks(Hooks):
+    """Single-process training: a commit is just a checkpoint opportunity."""
+
+    def __init__(self, core: TrainCore, checkpointer: Checkpointer) -> None:
+        self.core, self.checkpointer = core, checkpointer
+
+    def commit(self) -> None:
+        self.checkpointer.after_commit(self.core)
+
+    def commit_every(self, core: TrainCore) -> int:
+        return 1 if self.checkpointer.enabled else 0
 
 
 class TraceWriter:
@@ -121,7 +141,6 @@ class TrainingLoop:
         self.trace.write("loader", rank=core.rank, world=core.world, workers=core.loader.workers,
                          ready=core.loader.ready)
         commit_every = max(self.hooks.commit_every(core), 0)
-        commit_now = getattr(self.hooks, "commit_now", None)
         while not core.finished:
             epoch, start = core.progress.epoch, core.sampler.state.consumed
 
@@ -147,7 +166,7 @@ class TrainingLoop:
                 if self.validate_every_epoch and core.spec.val:
                     # Every rank validates its shard together (see TrainCore.validate).
                     t_val = time.perf_counter()
-                    self.last_metrics = core.validate(gather=getattr(self.hooks, "gather", None))
+                    self.last_metrics = core.validate(gather=self.hooks.gather)
                     core.progress.seconds += time.perf_counter() - t_val
                     entry.update(self.last_metrics)
                 # Ultralytics' results.csv fields of the epoch (train/run_folder.py writes them).
@@ -168,7 +187,7 @@ class TrainingLoop:
                     {"metrics": self.last_metrics} if epoch_ended else {}),
             })
             if (epoch_ended or (commit_every and core.progress.step % commit_every == 0) or core.finished
-                    or (commit_now is not None and commit_now())):
+                    or self.hooks.commit_now()):
                 # Traced first: a Horovod commit saves locally, then may raise while checking
                 # for host updates; the saved state is what a rollback returns to.
                 self.trace.write("commit", rank=core.rank, step=core.progress.step, epoch=core.progress.epoch,

@@ -47,12 +47,10 @@ def prewarm_enabled() -> bool:
     return os.environ.get(ENV_PREWARM, "1") != "0"
 
 
-def preload_modules(spec_json: str) -> tuple[str, ...]:
-    """What a zygote imports for this spec's workers: every worker's, then its engine's."""
-    from elasticyolo.engines import registry
-
-    engine = registry.get(json.loads(spec_json).get("engine", ""))
-    return (*PRELOAD, *getattr(engine, "worker_modules", ()))
+def preload_modules(worker_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """What a zygote imports for an engine's workers: every worker's, then the engine's
+    (`Engine.worker_modules`)."""
+    return (*PRELOAD, *worker_modules)
 
 
 # ---- agent side ---------------------------------------------------------------------------
@@ -72,9 +70,11 @@ class PrewarmPool:
     `extra_env`: added to the warm processes' environment (the engine's network interface)."""
 
     def __init__(self, spec_json: str, slots: int, work_dir: Path, extra_env: dict[str, str] | None = None,
-                 zygote: Zygote | None = None, **log_fields: Any) -> None:
-        """`zygote`: one made by the owner (`Zygote.fork_here`); else the pool spawns its own."""
+                 zygote: Zygote | None = None, worker_modules: tuple[str, ...] = (), **log_fields: Any) -> None:
+        """`zygote`: one made by the owner (`Zygote.fork_here`); else the pool spawns its own, which
+        imports `worker_modules` (the engine's)."""
         self.spec_json, self.slots, self.work_dir = spec_json, slots, work_dir
+        self.worker_modules = worker_modules
         self.extra_env = dict(extra_env or {})
         self.log_fields = log_fields
         self.log = get_logger("elasticyolo.prewarm", **log_fields)
@@ -138,7 +138,7 @@ class PrewarmPool:
             return None
         if self._zygote is None:
             try:
-                self._zygote = Zygote(preload_modules(self.spec_json), {**os.environ, **self.extra_env},
+                self._zygote = Zygote(preload_modules(self.worker_modules), {**os.environ, **self.extra_env},
                                       WorkerEnv(spec_json=self.spec_json), cwd=self.work_dir, **self.log_fields)
             except (OSError, ValueError, UserError) as exc:
                 self.log.warning("no zygote; warm workers start as fresh processes", error=str(exc))

@@ -2,20 +2,18 @@
 anywhere else, registered with `ELASTICYOLO_ENGINES=tiny=tiny_engine:ENGINE`.
 
 Every TRAINING node runs one worker process (`elasticyolo worker`, dispatched here by the spec's
-`engine`). The worker "trains" by counting steps (no torch: the point is the plumbing), commits a
-node-local state file every `commit_every` steps, reports progress, each commit as the last
-checkpoint and its (re)start through the engine-neutral etcd reporter, and resumes from its state
-file. The first worker to finish every epoch marks the job done. A drain stops the worker.
+`engine`): a world of one that trains the spec's real model on the shared worker runner
+(`worker_runtime/runner.py`), which restores the newest state (the node-local snapshot or the
+store's checkpoint), commits, snapshots, checkpoints, reports progress and resumes through etcd,
+and saves the final checkpoint. The engine's own part is the world: one process, no collectives.
+The first worker to finish marks the job done. A drain stops the worker.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from elasticyolo.agent.plugin import NodeAPI
@@ -23,16 +21,10 @@ from elasticyolo.agent.state import NodeState
 from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.job_state import JobEvent
 from elasticyolo.cluster.settings import EtcdSettings
-from elasticyolo.engines.base import DrainPlan, DrainSituation, WorkerOptions, plan_stop
+from elasticyolo.engines.base import Engine, WorkerOptions
 from elasticyolo.engines.node import EngineNode
-from elasticyolo.worker_runtime import worker_env
-from elasticyolo.worker_runtime.progress import worker_sinks
 from elasticyolo.worker_runtime.spawn import KILL_GRACE_S, SupervisedProcess, worker_command
 from elasticyolo.worker_runtime.worker_env import WorkerEnv, node_work_dir
-
-STEPS_PER_EPOCH = 5
-STEP_S = 0.05
-STATE_FILE = "tiny-state.json"
 
 
 class TinyNode(EngineNode):
@@ -79,47 +71,35 @@ class TinyNode(EngineNode):
             self.proc.wait(10)
 
 
-class TinyEngine:
+class TinyEngine(Engine):
     name = "tiny"
     commit_target_s = 0.2
+    worker_modules = ("elasticyolo.worker_runtime.runner",)
 
     def node(self, agent: NodeAPI) -> TinyNode:
         return TinyNode(self, agent)
 
-    def plan_drain(self, situation: DrainSituation) -> DrainPlan:
-        return plan_stop(situation)
-
     def worker_main(self, spec: Any, options: WorkerOptions) -> int:
-        env = worker_env.read()
+        # The worker imports torch; the agent, which loads this module too, does not.
+        from elasticyolo.train.collectives import Solo
+        from elasticyolo.train.core import TrainCore
+        from elasticyolo.worker_runtime.progress import worker_sinks
+        from elasticyolo.worker_runtime.runner import WorkerRunner, WorkerWorld
+
+        class OneProcess(WorkerWorld):
+            """A world of one: nothing to form, nothing to agree on."""
+
+            collectives = Solo()
+            local_rank = 0
+
+            def join(self, runner: WorkerRunner) -> TrainCore:
+                return TrainCore(spec, work_dir=runner.env.run_dir)
+
         sinks, progress = worker_sinks(options)
-        path = Path(env.worker_dir or ".") / STATE_FILE
-        step = json.loads(path.read_text())["step"] if path.exists() else 0
-        stopping: list[int] = []
-        signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
-        if progress is not None:
-            progress.resume(step, 1, None, "restore" if step else "start")
-        every = spec.commit_every or max(1, round(self.commit_target_s / STEP_S))
-        total = spec.epochs * STEPS_PER_EPOCH
-        print(json.dumps({"event": "tiny worker started", "level": "info", "step": step, "pid": os.getpid()}),
-              flush=True)
-        while step < total and not stopping:
-            time.sleep(STEP_S)  # one "training" step takes this long
-            step += 1
-            rec = {"kind": "step", "epoch": step // STEPS_PER_EPOCH, "epochs": spec.epochs, "step": step,
-                   "consumed": step % STEPS_PER_EPOCH, "num_samples": STEPS_PER_EPOCH, "world_size": 1,
-                   "loss": 1.0 / step, "lr": 0.01, "samples_per_s": spec.batch / STEP_S}
-            for sink in sinks:
-                sink(rec)
-            if step % every == 0 or step == total:
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"step": step}))
-                os.replace(tmp, path)
-                for sink in sinks:
-                    sink({"kind": "checkpoint", "uri": path.as_uri(), "epoch": step // STEPS_PER_EPOCH,
-                          "step": step, "at": time.time()})
+        WorkerRunner(spec, OneProcess(), commit_target_s=self.commit_target_s, sinks=sinks, progress=progress).run()
         if progress is not None:
             progress.flush()
-        return 143 if stopping else 0
+        return 0
 
 
 ENGINE = TinyEngine()

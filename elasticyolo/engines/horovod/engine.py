@@ -5,14 +5,14 @@ Agent side: `node.py` (launcher, pre-warmed workers, the leader's `driver.py` wi
 `discovery.py`). Drain planner: `drain.py` (leave at a commit, or hand over after a quiesce).
 Worker: `worker.py` (`hvd.elastic.run`; warm processes: `worker_runtime/prewarm.py`), `quiesce.py`.
 A commit: `state.save()`, snapshot, checkpoint, then Horovod's host-update check, about every
-second of work.
+`commit_target_s` seconds of work.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.engines.base import DrainPlan, DrainSituation, WorkerOptions
+from elasticyolo.engines.base import DrainPlan, DrainSituation, Engine, WorkerOptions
 from elasticyolo.engines.horovod import drain
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from elasticyolo.spec import TrainSpec
 
 
-class HorovodEngine:
+class HorovodEngine(Engine):
     name = "horovod"
     commit_target_s = 1.0
     worker_modules = ("elasticyolo.engines.horovod.worker",)

@@ -184,7 +184,8 @@ class HorovodNode(EngineNode):
         if self.pool is None or self.pool.spec_json != spec.to_json() or self.pool.work_dir != work_dir:
             self._stop_pool()
             self.pool = PrewarmPool(spec.to_json(), slots, work_dir, self.launcher.iface_env(),
-                                    node=agent.cfg.node_id, job=agent.cfg.job)
+                                    worker_modules=self.engine.worker_modules, node=agent.cfg.node_id,
+                                    job=agent.cfg.job)
             self.launcher.spawner = self.pool
         if self.pool.gave_up:
             self.launcher.spawner = None

@@ -5,7 +5,8 @@ State kept by `hvd.elastic.TorchState`: optimizer, model, EMA model (tensors bro
 and EMA update count (plain objects). A commit copies them to host memory; a failed collective
 rolls every survivor back to the last commit, and the sampler resumes from that record, so no
 sample of an epoch is trained twice or skipped (counting committed work only). A commit is
-`engines/commit.py`'s, with `HorovodCommit` as the engine's part.
+`worker_runtime/commit.py`'s, with `HorovodCommit` as the engine's part; the rest of the worker is
+`worker_runtime/runner.py`'s, with `HorovodWorld` as the engine's part.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import os
 import time
 from functools import partial
-from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,23 +24,22 @@ from horovod.common.elastic import ObjectState, run_fn
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.horovod.abort import ABORT, CollectiveAborter, abort_collectives
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
 from elasticyolo.engines.horovod.saved_state import buffered_handler
 from elasticyolo.engines.horovod.state_sync import apply_plain, send_shards, signature, state_tensors
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
-from elasticyolo.train.checkpointing import Checkpointer, open_checked_store
-from elasticyolo.train.core import Progress, TrainCore, quiet_ultralytics, shared_progress
+from elasticyolo.train.checkpointing import open_checked_store
+from elasticyolo.train.core import Progress, TrainCore, shared_progress
 from elasticyolo.train.digest import optimizer_state_digest, params_digest
 from elasticyolo.train.layout import default_layout
-from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
-from elasticyolo.train.run_publish import ClusterRunFolder
+from elasticyolo.train.loop import ProgressSink, Summary
 from elasticyolo.train.sim_accelerator import HOROVOD_THREAD, name_threads_started
-from elasticyolo.train.snapshots import LocalSnapshots, restore_newest
-from elasticyolo.worker_runtime import worker_env
+from elasticyolo.train.snapshots import restore_newest
+from elasticyolo.worker_runtime.commit import EngineCommit
 from elasticyolo.worker_runtime.progress import EtcdProgress
+from elasticyolo.worker_runtime.runner import WorkerRunner, WorkerWorld
 
 SNAPSHOT_PERIOD_S = 10.0  # node-local snapshots (for a leader loss) at most this often
 WAIT_POLL_S = 0.0005  # how often a rank waiting for its gradients' all-reduce looks
@@ -206,8 +205,8 @@ class HorovodCollectives:
         return bytes(hvd.broadcast_object(data, root_rank=src, name="broadcast_bytes"))
 
 
-class HorovodCommit:
-    """Horovod's part of a commit (`engines/commit.py`): `state.commit()` is save() +
+class HorovodCommit(EngineCommit):
+    """Horovod's part of a commit (`worker_runtime/commit.py`): `state.commit()` is save() +
     check_host_updates(); the snapshot and the checkpoint go in between, so they hold exactly the
     committed state even when the check raises a hosts-updated reset."""
 
@@ -217,9 +216,6 @@ class HorovodCommit:
     def save(self) -> None:
         store_core_into_state(self.core, self.state)
         self.state.save()
-
-    def agree(self) -> None:
-        return None  # Horovod's check broadcasts its verdict itself
 
     def check(self) -> None:
         self.state.check_host_updates()
@@ -251,9 +247,16 @@ class PreparedWorker:
     store: Any  # the spec's checkpoint store, checked (None without one)
 
 
-def prepare_worker(spec: TrainSpec, core: TrainCore | None = None, local_rank: int = 0) -> PreparedWorker:
+def slot_from_env() -> tuple[int, int | None]:
+    """(local rank, local size) of this process from Horovod's environment (the launcher sets it)."""
+    size = os.environ.get("HOROVOD_LOCAL_SIZE", "")
+    return int(os.environ.get("HOROVOD_LOCAL_RANK") or 0), int(size) if size.isdigit() else None
+
+
+def prepare_worker(spec: TrainSpec, core: TrainCore | None = None) -> PreparedWorker:
     if core is None:
-        core = TrainCore(spec, rank=0, world=1, local_rank=local_rank)
+        local_rank, local_size = slot_from_env()
+        core = TrainCore(spec, rank=0, world=1, local_rank=local_rank, local_size=local_size)
         core.warm_up()
     prime_optimizer_state(core.optimizer)
     # Names matter: handlers sync in keyword order, optimizer first (see prime_optimizer_state).
@@ -288,144 +291,143 @@ def init_horovod() -> None:
         raise SystemExit(EXIT_WORLD_NOT_FORMED) from None
 
 
-def run_worker(spec: TrainSpec, sinks: list[ProgressSink] | None = None, prepared: PreparedWorker | None = None,
-               progress: EtcdProgress | None = None, commit_target_s: float = 1.0) -> Summary | None:
+class HorovodWorld(WorkerWorld):
+    """Horovod's part of a worker (`worker_runtime/runner.py`): `hvd.init()`, its collectives, a
+    commit that is `state.commit()`, and its world changes: `hvd.elastic.run` rolls every survivor
+    back to the last commit on a failure and re-syncs from rank 0 on every reset; a quiesce holds
+    the worker at an agreed commit; a slot removed from the job exits."""
+
+    snapshot_period_s = SNAPSHOT_PERIOD_S
+
+    def __init__(self, spec: TrainSpec, prepared: PreparedWorker | None, progress: EtcdProgress | None) -> None:
+        self.spec, self.prepared, self.progress = spec, prepared, progress
+        self._collectives = HorovodCollectives()
+
+    @property
+    def collectives(self) -> HorovodCollectives:
+        return self._collectives
+
+    @property
+    def local_rank(self) -> int:
+        return int(hvd.local_rank())
+
+    def join(self, runner: WorkerRunner) -> TrainCore:
+        if self.prepared is None:
+            self.prepared = prepare_worker(self.spec)
+        runner.store = self.prepared.store
+        core = self.prepared.core
+        init_horovod()
+        compression = hvd.Compression.fp16 if self.spec.fp16_allreduce else hvd.Compression.none
+
+        def allreduce(grads: list[torch.Tensor]) -> None:
+            if hvd.size() == 1:
+                return
+            # Horovod takes only tensors contiguous in NCHW; NHWC gradients (layout.py) travel as copies.
+            compressed, ctxs = zip(*(compression.compress(g.contiguous()) for g in grads))
+            reduced = wait_quietly(hvd.grouped_allreduce_async(list(compressed), op=hvd.Average, name="grads"))
+            for g, r, ctx in zip(grads, reduced, ctxs):
+                g.copy_(compression.decompress(r, ctx))
+
+        core.grad_allreduce = allreduce
+        core.progress.world = 0  # built for world 1: the first set_world is not a resize
+        core.set_world(hvd.size(), hvd.rank())
+        return core
+
+    def run(self, runner: WorkerRunner) -> Summary | None:
+        assert self.prepared is not None
+        core, state, env = runner.core, self.prepared.state, runner.env
+        snapshots, checkpointer, trace, progress = runner.snapshots, runner.checkpointer, runner.trace, self.progress
+        if env.restore or hvd.rank() == 0:
+            if env.restore:
+                # A freshly started world (e.g. after leader loss): the newest snapshot or checkpoint.
+                restore_newest(core, snapshots, self.collectives, checkpointer)
+            else:
+                # A fresh process holding rank 0 is a cold start (Horovod keeps rank 0 on the oldest
+                # surviving host): the newest checkpoint, handed to every rank by the first sync.
+                checkpointer.restore_into(core)
+            prime_optimizer_state(core.optimizer)
+            store_core_into_state(core, state)
+            state.save()  # what was restored is the first rollback point
+
+        def on_reset() -> None:
+            state.aborter.joined()
+            trace.write("reset", rank=hvd.rank(), world=hvd.size())
+            log.info("reset", rank=hvd.rank(), world=hvd.size())
+
+        state.register_reset_callbacks([on_reset])
+        poller = QuiescePoller()
+
+        def on_quiesce(request: dict[str, Any]) -> None:
+            """At an agreed commit: snapshot everywhere, checkpoint if asked, then rank 0 acks."""
+            t0 = time.perf_counter()
+            snapshots.save_now(core)
+            ok: bool | None = None
+            if request.get("checkpoint") and checkpointer.enabled:
+                ok = checkpointer.save_now(core, reason="drain", timeout=float(request.get("timeout_s") or 30))
+            hvd.allreduce(torch.zeros(1), name=f"quiesce.{request['id']}")  # every node's snapshot is on disk
+            if core.rank == 0:
+                poller.ack(request, core.progress.step, core.progress.epoch, ok)
+            trace.write("quiesce", rank=core.rank, world=core.world, step=core.progress.step,
+                        hold=bool(request.get("hold")), checkpoint=ok, seconds=round(time.perf_counter() - t0, 3))
+            log.info("quiesced", step=core.progress.step, checkpoint=ok, by=request.get("by"))
+
+        state.quiesce_poller, state.on_quiesce = poller, on_quiesce
+        first_entry = [True]
+
+        def reset_world() -> None:
+            # Horovod's reset (`hvd.elastic.run`'s), marking the rank as between worlds until
+            # `on_reset`: an abort meant for the world it left must not cut its rendezvous (abort.py).
+            state.aborter.left()
+            hvd.shutdown()
+            init_horovod()
+
+        @partial(run_fn, reset=reset_world)
+        def train(state: AlwaysSyncTorchState) -> Summary:
+            before = core.progress.step  # steps this process reached (committed or not)
+            load_core_from_state(core, state)
+            core.set_world(hvd.size(), hvd.rank())
+            if hvd.rank() == 0:
+                report_resume(before, first_entry[0])
+            first_entry[0] = False
+            return runner.session(HorovodCommit(state, core), resume={
+                # Digests cost a pass over every tensor: only for a trace (tests, benches).
+                **({"optimizer_digest": optimizer_state_digest(core.optimizer.state_dict())} if trace.enabled
+                   else {})})
+
+        def report_resume(before: int, first: bool) -> None:
+            # Lost steps: work this rank had done past the state the world resumes from (a rollback);
+            # a restored world compares with the step its predecessor acknowledged when it quiesced.
+            step, lost, reason = core.progress.step, max(0, before - core.progress.step), "reset"
+            if first:
+                reason, lost = "start", None
+                if env.restore:
+                    ack = poller.last_ack()
+                    reason = "restore"
+                    lost = max(0, int(ack["step"]) - step) if ack and ack.get("step") is not None else None
+            if progress is not None:
+                progress.resume(step, hvd.size(), lost, reason)
+
+        try:
+            return train(state)
+        except QuiesceInterrupt as q:
+            trace.write("held", rank=hvd.rank(), step=core.progress.step)
+            log.info("quiesced for a handover; waiting to be stopped", by=q.request.get("by"), step=core.progress.step)
+            checkpointer.close()
+            hold_until_stopped()
+            return None
+        except ValueError as exc:
+            if "initialization failed" not in str(exc):
+                raise
+            # The driver gave this slot rank -1: its host left the job (a drain) after the world re-formed.
+            trace.write("left", step=core.progress.step)
+            log.info("removed from the elastic job; exiting", step=core.progress.step)
+            raise SystemExit(3) from None
+
+
+def run_worker(spec: TrainSpec, *, commit_target_s: float, sinks: list[ProgressSink] | None = None,
+               prepared: PreparedWorker | None = None, progress: EtcdProgress | None = None) -> Summary | None:
     """`prepared`: by a pre-warmed worker (prewarm.py), else built here, before `hvd.init()`.
     `progress`: the etcd sink (also among `sinks`), which takes the resume records.
-    `commit_target_s`: seconds of work between commits (`engine.py`)."""
-    quiet_ultralytics()
-    env = worker_env.read()
-    if prepared is None:
-        prepared = prepare_worker(spec, local_rank=int(os.environ.get("HOROVOD_LOCAL_RANK") or 0))
-    core, state = prepared.core, prepared.state
-    init_horovod()
-    compression = hvd.Compression.fp16 if spec.fp16_allreduce else hvd.Compression.none
-
-    def allreduce(grads: list[torch.Tensor]) -> None:
-        if hvd.size() == 1:
-            return
-        # Horovod takes only tensors contiguous in NCHW; NHWC gradients (layout.py) travel as copies.
-        compressed, ctxs = zip(*(compression.compress(g.contiguous()) for g in grads))
-        reduced = wait_quietly(hvd.grouped_allreduce_async(list(compressed), op=hvd.Average, name="grads"))
-        for g, r, ctx in zip(grads, reduced, ctxs):
-            g.copy_(compression.decompress(r, ctx))
-
-    core.grad_allreduce = allreduce
-    core.progress.world = 0  # built for world 1: the first set_world is not a resize
-    core.set_world(hvd.size(), hvd.rank())
-    checkpointer = Checkpointer(spec, env.job or "default", hvd.rank(), sinks=sinks if hvd.rank() == 0 else None,
-                                store=prepared.store)
-    collectives = HorovodCollectives()
-    snapshots = LocalSnapshots(env.snapshot_dir, writer=hvd.local_rank() == 0,
-                               period_s=env.snapshot_period(SNAPSHOT_PERIOD_S))
-    if env.restore or hvd.rank() == 0:
-        if env.restore:
-            # A freshly started world (e.g. after leader loss): the newest snapshot or checkpoint.
-            restore_newest(core, snapshots, collectives, checkpointer)
-        else:
-            # A fresh process holding rank 0 is a cold start (Horovod keeps rank 0 on the oldest
-            # surviving host): the newest checkpoint, handed to every rank by the first sync.
-            checkpointer.restore_into(core)
-        prime_optimizer_state(core.optimizer)
-        store_core_into_state(core, state)
-        state.save()  # what was restored is the first rollback point
-    trace = TraceWriter()
-    # Ultralytics' run folder on rank 0's node, published next to the checkpoints.
-    run_folder = ClusterRunFolder(core, env.job or "default", checkpointer.store, Path(core.work_dir))
-
-    def on_reset() -> None:
-        state.aborter.joined()
-        trace.write("reset", rank=hvd.rank(), world=hvd.size())
-        log.info("reset", rank=hvd.rank(), world=hvd.size())
-
-    state.register_reset_callbacks([on_reset])
-    poller = QuiescePoller()
-
-    def on_quiesce(request: dict[str, Any]) -> None:
-        """At an agreed commit: snapshot everywhere, checkpoint if asked, then rank 0 acks."""
-        t0 = time.perf_counter()
-        snapshots.save_now(core)
-        ok: bool | None = None
-        if request.get("checkpoint") and checkpointer.enabled:
-            ok = checkpointer.save_now(core, reason="drain", timeout=float(request.get("timeout_s") or 30))
-        hvd.allreduce(torch.zeros(1), name=f"quiesce.{request['id']}")  # every node's snapshot is on disk
-        if core.rank == 0:
-            poller.ack(request, core.progress.step, core.progress.epoch, ok)
-        trace.write("quiesce", rank=core.rank, world=core.world, step=core.progress.step, hold=bool(request.get("hold")),
-                    checkpoint=ok, seconds=round(time.perf_counter() - t0, 3))
-        log.info("quiesced", step=core.progress.step, checkpoint=ok, by=request.get("by"))
-
-    state.quiesce_poller, state.on_quiesce = poller, on_quiesce
-    first_entry = [True]
-
-    def reset_world() -> None:
-        # Horovod's reset (`hvd.elastic.run`'s), marking the rank as between worlds until
-        # `on_reset`: an abort meant for the world it left must not cut its rendezvous (abort.py).
-        state.aborter.left()
-        hvd.shutdown()
-        init_horovod()
-
-    @partial(run_fn, reset=reset_world)
-    def train(state: AlwaysSyncTorchState) -> Summary:
-        before = core.progress.step  # steps this process reached (committed or not)
-        load_core_from_state(core, state)
-        core.set_world(hvd.size(), hvd.rank())
-        if hvd.rank() == 0:
-            report_resume(before, first_entry[0])
-        first_entry[0] = False
-        trace.write("resume", rank=core.rank, world=core.world, step=core.progress.step,
-                    epoch=core.progress.epoch, consumed=core.progress.consumed, lr_scale=core.current_lr_scale(),
-                    accumulate=core.scaling.accumulate,
-                    # Digests cost a pass over every tensor: only for a trace (tests, benches).
-                    **({"params_digest": params_digest(core.model),
-                        "optimizer_digest": optimizer_state_digest(core.optimizer.state_dict())}
-                       if trace.enabled else {}))
-        log.info("training", rank=core.rank, world=core.world, epoch=core.progress.epoch, step=core.progress.step)
-        checkpointer.rank = core.rank
-        checkpointer.sinks = list(sinks or []) if core.rank == 0 else []
-        hooks = CommitHooks(core, collectives, target_s=commit_target_s, snapshots=snapshots,
-                            checkpointer=checkpointer, engine=HorovodCommit(state, core))
-        loop = TrainingLoop(core, hooks=hooks, sinks=(list(sinks or []) + run_folder.sinks()) if core.rank == 0
-                            else [], trace=trace)
-        return loop.run()
-
-    def report_resume(before: int, first: bool) -> None:
-        # Lost steps: work this rank had done past the state the world resumes from (a rollback);
-        # a restored world compares with the step its predecessor acknowledged when it quiesced.
-        step, lost, reason = core.progress.step, max(0, before - core.progress.step), "reset"
-        if first:
-            reason, lost = "start", None
-            if env.restore:
-                ack = poller.last_ack()
-                reason = "restore"
-                lost = max(0, int(ack["step"]) - step) if ack and ack.get("step") is not None else None
-        if progress is not None:
-            progress.resume(step, hvd.size(), lost, reason)
-
-    try:
-        summary = train(state)
-    except QuiesceInterrupt as q:
-        trace.write("held", rank=hvd.rank(), step=core.progress.step)
-        log.info("quiesced for a handover; waiting to be stopped", by=q.request.get("by"), step=core.progress.step)
-        checkpointer.close()
-        hold_until_stopped()
-        return None
-    except ValueError as exc:
-        if "initialization failed" not in str(exc):
-            raise
-        # The driver gave this slot rank -1: its host left the job (a drain) after the world re-formed.
-        trace.write("left", step=core.progress.step)
-        log.info("removed from the elastic job; exiting", step=core.progress.step)
-        checkpointer.close()
-        raise SystemExit(3) from None
-    if not checkpointer.save_now(core, reason="final"):
-        log.warning("final_checkpoint_late", step=core.progress.step)
-    checkpointer.close()
-    trace.write("done", rank=hvd.rank(), world=hvd.size(), step=core.progress.step)
-    if hvd.rank() == 0:
-        run_folder.finish()
-        m = summary.metrics
-        print(f"done: epochs={summary.epochs} steps={summary.steps} world={hvd.size()} "
-              f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} "
-              f"seconds={summary.seconds:.1f}", flush=True)
-    return summary
+    `commit_target_s`: seconds of work between commits (the engine's, `engine.py`)."""
+    return WorkerRunner(spec, HorovodWorld(spec, prepared, progress), commit_target_s=commit_target_s, sinks=sinks,
+                        progress=progress).run()

@@ -2,17 +2,17 @@
 the agent loads this; `worker_main` imports torch.
 
 Agent side: `node.py` (one `launcher.py` process per node: torch's `LocalElasticAgent`, the
-`rendezvous.py` backend). Drain planner: stop (torch elastic restarts the world on any change and
+`rendezvous.py` backend). Drain planner: stop, the default (torch elastic restarts the world on any change and
 the survivors restore the newest node-local snapshot). Worker: `worker.py`, started warm
-(`warm.py`, `worker_runtime/prewarm.py`). A commit: snapshot
-(every node, every commit) and checkpoint, about every 2 s of work.
+(`warm.py`, `worker_runtime/prewarm.py`). A commit: snapshot (every node, every commit) and
+checkpoint, about every `commit_target_s` seconds of work.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.engines.base import DrainPlan, DrainSituation, WorkerOptions, plan_stop
+from elasticyolo.engines.base import Engine, WorkerOptions
 
 if TYPE_CHECKING:
     from elasticyolo.agent.plugin import NodeAPI
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from elasticyolo.spec import TrainSpec
 
 
-class TorchEngine:
+class TorchEngine(Engine):
     name = "torch"
     commit_target_s = 2.0
     worker_modules = ("elasticyolo.engines.torch.worker", "elasticyolo.worker_runtime.progress")
@@ -29,9 +29,6 @@ class TorchEngine:
         from elasticyolo.engines.torch.node import TorchNode
 
         return TorchNode(self, agent)
-
-    def plan_drain(self, situation: DrainSituation) -> DrainPlan:
-        return plan_stop(situation)
 
     def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int:
         def train(prepared: Any = None) -> int:

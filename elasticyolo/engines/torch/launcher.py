@@ -85,14 +85,18 @@ def start_warm_pool(settings: LaunchSettings, env: worker_env.WorkerEnv) -> Prew
     zygote (or plain processes)."""
     if not prewarm_enabled() or not env.spec_json or not env.worker_dir:
         return None
+    from elasticyolo.engines import registry
+    from elasticyolo.spec import TrainSpec
+
+    worker_modules = registry.get(TrainSpec.from_json(env.spec_json, "ELASTICYOLO_SPEC").engine).worker_modules
     zygote = None
     if zygote_enabled():
         try:
-            zygote = Zygote.fork_here(preload_modules(env.spec_json), node=env.node_id, job=env.job)
+            zygote = Zygote.fork_here(preload_modules(worker_modules), node=env.node_id, job=env.job)
         except Exception as exc:  # noqa: BLE001 - a warm pool is an optimization; the pool falls back
             log.warning("could not fork a zygote from the launcher; the pool spawns one", error=str(exc))
     pool = PrewarmPool(env.spec_json, settings.nproc_per_node, Path(env.worker_dir), zygote=zygote,
-                       node=env.node_id, job=env.job)
+                       worker_modules=worker_modules, node=env.node_id, job=env.job)
     pool.fill()
     return pool
 

@@ -100,7 +100,7 @@ class TorchNode(EngineNode):
         self._failures = 0
         self._retry_at = 0.0
         # torch restarts failing workers forever: the job fails when they crash in a loop everywhere.
-        self.crash_loop = CrashLoopWatch("torch")
+        self.crash_loop = CrashLoopWatch(self.engine.name)
         self._errors: WorkerErrors | None = None
         self._work: tuple[Path, int] | None = None  # (directory, generation) of the newest launcher
 

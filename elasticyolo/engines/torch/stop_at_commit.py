@@ -39,6 +39,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from elasticyolo.log import get_logger
+from elasticyolo.worker_runtime.commit import EngineCommit
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +52,7 @@ log = get_logger("elasticyolo.torch.stop")
 # How long a SIGTERMed worker trains on towards a commit. Short, since a node drained on a spot
 # notice has seconds (its launcher is SIGKILLed `drain.kill_lead_s` before the deadline:
 # `torch/node.py`), and a worker that misses the commit must still finish its snapshot before
-# that; long enough for a commit interval (`engines/commit.py` aims at 2 s of work between commits).
+# that; long enough for a commit interval (`worker_runtime/commit.py` aims at 2 s of work between commits).
 STOP_WAIT_S = 2.5
 # A rank already waiting at the commit for its peers' answer gets this much longer (seen: rank 0
 # 1 s behind its peers, when its checkpoint copy still came first). Bounded, since the peer may be
@@ -61,8 +62,8 @@ EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: a peer is leaving this round; restart it
 
 
-class StopAtCommit:
-    """The torch worker's `EngineCommit` (engines/commit.py): `request()` from the SIGTERM
+class StopAtCommit(EngineCommit):
+    """The torch worker's `EngineCommit` (worker_runtime/commit.py): `request()` from the SIGTERM
     watcher, `agree()` then `check()` at every commit on every rank. `reduce(flag) -> sum over ranks`."""
 
     def __init__(self, core: "TrainCore", reduce: Any, snapshots: "LocalSnapshots",
@@ -124,7 +125,7 @@ class StopAtCommit:
 
     def agree(self) -> None:
         """In a commit after the local snapshot, before rank 0's checkpoint copy
-        (`engines/commit.py`): the ranks agree whether it ends the round."""
+        (`worker_runtime/commit.py`): the ranks agree whether it ends the round."""
         asked = self.requested.is_set()
         self.at_commit.set()
         try:

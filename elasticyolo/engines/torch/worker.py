@@ -8,7 +8,8 @@ restarts the whole world on every membership change, so each start is a resume:
 2. the newest state in the world: every node's local snapshot and the checkpoint store's latest
    (`train/snapshots.py` `restore_newest`, over `TorchCollectives`);
 3. `core.set_world(world, rank)` applies the rescaling policy (LR ramp from the saved progress);
-4. train; a commit (`engines/commit.py`) = local snapshot (local rank 0 of every node, every
+4. train (`worker_runtime/runner.py`, with `TorchWorld` as the engine's part); a commit
+   (`worker_runtime/commit.py`) = local snapshot (local rank 0 of every node, every
    commit) + the ranks agree whether one was asked to stop (SIGTERM: the round ends at that
    commit, `stop_at_commit.py`; a request also rides on the next gradient all-reduce and makes
    that step a commit) + store checkpoint when due (rank 0). A failure restarts the world.
@@ -23,7 +24,6 @@ only extra, overlapping bucket reduces with backward, buys little for a 3-25 M p
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,19 +34,18 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from elasticyolo.engines.commit import CommitHooks
 from elasticyolo.engines.torch.stop_at_commit import StopAtCommit, torch_reduce
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
-from elasticyolo.train.checkpointing import Checkpointer, open_checked_store
-from elasticyolo.train.core import TrainCore, quiet_ultralytics
-from elasticyolo.train.digest import params_digest
-from elasticyolo.train.loop import ProgressSink, Summary, TraceWriter, TrainingLoop
-from elasticyolo.train.run_publish import ClusterRunFolder
-from elasticyolo.train.snapshots import LocalSnapshots, finish_snapshot_on_sigterm, restore_newest
-from elasticyolo.worker_runtime import worker_env, worker_errors
+from elasticyolo.train.checkpointing import open_checked_store
+from elasticyolo.train.core import TrainCore
+from elasticyolo.train.loop import ProgressSink, Summary
+from elasticyolo.train.snapshots import finish_snapshot_on_sigterm
+from elasticyolo.worker_runtime import worker_errors
+from elasticyolo.worker_runtime.commit import EngineCommit
 from elasticyolo.worker_runtime.progress import EtcdProgress
+from elasticyolo.worker_runtime.runner import WorkerRunner, WorkerWorld
 
 log = get_logger("elasticyolo.torch.worker")
 
@@ -149,72 +148,59 @@ def prepare_worker(spec: TrainSpec, core: TrainCore) -> PreparedWorker:
     return PreparedWorker(core, open_checked_store(spec, write=True))
 
 
-def run_worker(spec: TrainSpec, job: str, snapshot_dir: str | os.PathLike[str] | None,
-               sinks: list[ProgressSink] | None = None, progress: EtcdProgress | None = None,
-               commit_target_s: float = 2.0, prepared: PreparedWorker | None = None) -> Summary:
-    """`prepared`: by a warm process before the round, else everything is built here."""
-    quiet_ultralytics()
-    t_start = time.time()
-    init_process_group(spec)
-    env = worker_env.read()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    work_dir = env.run_dir
-    core = prepared.core if prepared is not None else None
-    if core is None:
-        core = TrainCore(spec, rank=rank, world=world, local_rank=local_rank, work_dir=work_dir)
-    else:
-        core.progress.world = 0  # built for world 1: the first set_world is not a resize
-        core.set_world(world, rank)
-    collectives = TorchCollectives(core.device)
-    # Every local rank reads the node's snapshot; only local rank 0 writes it (ranks hold equal state).
-    snapshots = LocalSnapshots(snapshot_dir, writer=local_rank == 0,
-                               period_s=env.snapshot_period(SNAPSHOT_PERIOD_S)) if snapshot_dir else None
-    stop = None
-    if snapshots is not None:
-        stop = StopAtCommit(core, torch_reduce(core.device), snapshots, world=world)
-        finish_snapshot_on_sigterm(snapshots, stop_at_commit=stop.request)
-    core.grad_allreduce = make_allreduce(world, spec.fp16_allreduce, stop)  # before the first step
-    checkpointer = Checkpointer(spec, job, rank, sinks=sinks if rank == 0 else None,
-                                store=prepared.store if prepared is not None else None)
-    trace = TraceWriter()
-    try:
-        restored = restore_newest(core, snapshots, collectives, checkpointer)
-        core.set_world(world, rank)
-        trace.write("resume", rank=rank, world=world, step=core.progress.step, epoch=core.progress.epoch,
-                    consumed=core.progress.consumed, source=restored.source, src_rank=restored.src_rank,
-                    lr_scale=core.current_lr_scale(), accumulate=core.scaling.accumulate,
-                    node=env.node_id, local_rank=local_rank,
-                    restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    proc_start=_proc_start(), run_start=t_start,
-                    **({"params_digest": params_digest(core.model)} if trace.enabled else {}))
-        log.info("training", rank=rank, world=world, epoch=core.progress.epoch, step=core.progress.step,
-                 source=restored.source)
-        if rank == 0 and progress is not None:
-            progress.resume(core.progress.step, world, None, "restore" if restored.source != "fresh" else "start",
-                            source=restored.source)
-        hooks = CommitHooks(core, collectives, target_s=commit_target_s, snapshots=snapshots,
-                            checkpointer=checkpointer, engine=stop)
-        # Ultralytics' run folder on rank 0's node, published next to the checkpoints.
-        run_folder = ClusterRunFolder(core, job, checkpointer.store, work_dir.parent)
-        loop = TrainingLoop(core, hooks=hooks, sinks=(list(sinks or []) + run_folder.sinks()) if rank == 0 else [],
-                            trace=trace)
-        summary = loop.run()
-        if not checkpointer.save_now(core, reason="final"):
-            log.warning("final_checkpoint_late", step=core.progress.step)
-        trace.write("done", rank=rank, world=world, step=core.progress.step)
-        if rank == 0:
-            run_folder.finish()
-            m = summary.metrics
-            print(f"done: epochs={summary.epochs} steps={summary.steps} world={world} "
-                  f"mAP50={m.get('mAP50', 0.0):.3f} mAP50-95={m.get('mAP50-95', 0.0):.3f} "
-                  f"seconds={summary.seconds:.1f}", flush=True)
-        return summary
-    finally:
-        core.close()
-        if snapshots is not None:
-            snapshots.close()
-        checkpointer.close(timeout=30)
+class TorchWorld(WorkerWorld):
+    """torch elastic's part of a worker (`worker_runtime/runner.py`): the process group, its
+    collectives, the stop agreement at a commit (`StopAtCommit`), and one world per process
+    (torch elastic restarts the world on any change, so every start restores the newest state)."""
+
+    snapshot_period_s = SNAPSHOT_PERIOD_S
+    close_timeout_s = 30.0
+
+    def __init__(self, spec: TrainSpec, prepared: PreparedWorker | None) -> None:
+        self.spec, self.prepared = spec, prepared
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._collectives: TorchCollectives | None = None
+
+    @property
+    def collectives(self) -> TorchCollectives:
+        assert self._collectives is not None, "join() first"
+        return self._collectives
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def run_root(self, core: TrainCore) -> Path:
+        return Path(core.work_dir).parent  # the worker directory (the core's is `run/` inside it)
+
+    def join(self, runner: WorkerRunner) -> TrainCore:
+        init_process_group(self.spec)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if self.prepared is None:
+            size = os.environ.get("LOCAL_WORLD_SIZE", "")
+            core = TrainCore(self.spec, rank=rank, world=world, local_rank=self.local_rank, work_dir=runner.env.run_dir,
+                             local_size=int(size) if size.isdigit() else None)
+        else:
+            core = self.prepared.core
+            runner.store = self.prepared.store
+            core.progress.world = 0  # built for world 1: the first set_world is not a resize
+            core.set_world(world, rank)
+        self._collectives = TorchCollectives(core.device)
+        return core
+
+    def run(self, runner: WorkerRunner) -> Summary:
+        core, env = runner.core, runner.env
+        stop = None
+        if env.snapshot_dir is not None:
+            stop = StopAtCommit(core, torch_reduce(core.device), runner.snapshots, world=core.world)
+            finish_snapshot_on_sigterm(runner.snapshots, stop_at_commit=stop.request)
+        core.grad_allreduce = make_allreduce(core.world, self.spec.fp16_allreduce, stop)  # before the first step
+        restored = runner.restore()
+        runner.report_resume(restored)
+        return runner.session(stop or EngineCommit(), resume={
+            "source": restored.source, "src_rank": restored.src_rank, "node": env.node_id,
+            "local_rank": self.local_rank, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "proc_start": _proc_start(), "run_start": runner.started_at}, source=restored.source)
 
 
 def _proc_start() -> float | None:
@@ -227,13 +213,13 @@ def _proc_start() -> float | None:
         return None
 
 
-def main(spec: TrainSpec, sinks: list[ProgressSink] | None = None, progress: EtcdProgress | None = None,
-         commit_target_s: float = 2.0, prepared: PreparedWorker | None = None) -> int:
-    """The worker entry point (`elasticyolo worker` through the engine registry)."""
-    env = worker_env.read()
+def main(spec: TrainSpec, *, commit_target_s: float, sinks: list[ProgressSink] | None = None,
+         progress: EtcdProgress | None = None, prepared: PreparedWorker | None = None) -> int:
+    """The worker entry point (`elasticyolo worker` through the engine registry).
+    `prepared`: by a warm process before the round, else everything is built here."""
     try:
-        run_worker(spec, env.job or "default", env.snapshot_dir, sinks=sinks, progress=progress,
-                   commit_target_s=commit_target_s, prepared=prepared)
+        WorkerRunner(spec, TorchWorld(spec, prepared), commit_target_s=commit_target_s, sinks=sinks,
+                     progress=progress).run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

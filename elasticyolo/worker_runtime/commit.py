@@ -19,43 +19,44 @@ Every rank commits at the same steps (the loop's contract): rank 0 measures abou
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from elasticyolo.train.checkpointing import Checkpointer
 from elasticyolo.train.collectives import Collectives
 from elasticyolo.train.core import TrainCore
+from elasticyolo.train.loop import Hooks
 from elasticyolo.train.snapshots import LocalSnapshots
 
 
-class EngineCommit(Protocol):
-    def save(self) -> None: ...
+class EngineCommit:
+    """An engine's part of a commit. Every part has a default (nothing to do): an engine that
+    restarts its world on any change and needs no agreement implements none of them."""
 
-    def agree(self) -> None: ...
-
-    def check(self) -> None: ...
-
-    # Optional: `commit_now() -> bool`, after a step: the world agreed to commit at this step
-    # outside the interval (the torch engine: a rank was asked to stop).
-
-
-class NoEngineCommit:
     def save(self) -> None:
+        """Make the state the engine's rollback point."""
         return None
 
     def agree(self) -> None:
+        """A collective the engine needs before rank 0's checkpoint copy can hold its peers."""
         return None
 
     def check(self) -> None:
+        """The engine may now interrupt (a reset, an agreed stop)."""
         return None
 
+    def commit_now(self) -> bool:
+        """Asked after every step: the world agreed to commit at this step outside the interval
+        (the torch engine: a rank was asked to stop). The same answer on every rank."""
+        return False
 
-class CommitHooks:
+
+class CommitHooks(Hooks):
     def __init__(self, core: TrainCore, collectives: Collectives, *, target_s: float,
                  snapshots: LocalSnapshots | None = None, checkpointer: Checkpointer | None = None,
                  engine: EngineCommit | None = None) -> None:
         self.core, self.collectives, self.target_s = core, collectives, target_s
         self.snapshots, self.checkpointer = snapshots, checkpointer
-        self.engine = engine or NoEngineCommit()
+        self.engine = engine or EngineCommit()
         self._fixed = core.spec.commit_every
         self._t_last = time.perf_counter()
         self._step_last = core.progress.step
@@ -70,10 +71,9 @@ class CommitHooks:
         self.engine.check()
 
     def commit_now(self) -> bool:
-        wants = getattr(self.engine, "commit_now", None)
-        return bool(wants()) if wants is not None else False
+        return self.engine.commit_now()
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: Any) -> list[Any]:  # type: ignore[override]  # a method: every rank validates its share
         """All-gather for sharded validation (see `TrainCore.validate`)."""
         return self.collectives.allgather_object(obj)
 
