@@ -80,9 +80,10 @@ def start_warm_pool(settings: LaunchSettings, env: worker_env.WorkerEnv) -> Prew
     """One warm worker per slot, started first thing, on the main thread before any other:
     this process imports what a worker needs (torch, which torch elastic needs here too) and
     forks the pool's zygote from itself (`Zygote.fork_here`), so the node imports torch once.
-    Stop 28, a node joining a replay: this process's imports and a spawned zygote's side by
-    side, 10.4 s of its 17.5 s from start to first step. Where that fails, the pool spawns its
-    zygote (or plain processes)."""
+    A spawned zygote would import everything again beside this process (measured on a node
+    joining a chaos replay on 2 cores: the two imports side by side took 10.4 s of its 17.5 s
+    from start to first step). Where forking fails, the pool spawns its zygote (or plain
+    processes)."""
     if not prewarm_enabled() or not env.spec_json or not env.worker_dir:
         return None
     from elasticyolo.engines import registry
