@@ -417,14 +417,14 @@ class DriverRunner:
         for _ in range(5):
             try:
                 if not self.election.is_leader:
-                    self.log.warning("not leader any more; job state not written", event=event.value)
+                    self.log.warning("not leader any more; job state not written", job_event=event.value)
                 elif not set_job_state(self.client, self.keys, event, by=f"driver {self.node_id} term {self.term}",
                                        reason=reason, fence=[self.election.fenced_txn_compare()]):
                     self.log.info("job state unchanged: the job is past this event, or another writer "
-                                  "got there first", event=event.value)
+                                  "got there first", job_event=event.value)
                 return
             except (UnavailableError, EtcdError) as exc:
-                self.log.warning("could not write job state; retrying", event=event.value, error=str(exc))
+                self.log.warning("could not write job state; retrying", job_event=event.value, error=str(exc))
                 time.sleep(0.5)
 
     def _watch_world(self) -> None:
