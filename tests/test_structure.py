@@ -260,6 +260,19 @@ def test_worker_env_round_trip_and_one_set_of_names() -> None:
             cli_env["job"]} <= set(written)
 
 
+def test_no_log_call_passes_a_field_named_event() -> None:
+    """structlog takes the message as `event`: a log call with an `event=` field raises TypeError
+    when it runs, which in a daemon thread ends whatever that thread does."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("debug", "info", "warning", "error", "exception", "critical", "msg")
+                    and any(k.arg == "event" for k in node.keywords)):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
+
+
 # ---- die with the parent --------------------------------------------------------------------------
 _CHILD = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(float(sys.argv[2]));"
           "from elasticyolo.worker_runtime.lifeline import die_with_agent; die_with_agent();"
