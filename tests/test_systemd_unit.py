@@ -27,11 +27,11 @@ import pytest
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.local_cluster.agents import ELASTICYOLO
 from elasticyolo.local_cluster.servers import EtcdCluster, S3Server, free_port
+from elasticyolo.local_cluster.wait import wait_for
 from elasticyolo.staging.upload import upload_dataset
 from support.systemd_container import SystemdContainer
 from support.unit_jobs import SandboxedAgent
-from support.unit_sandbox import UnitSandbox, expand_syscall_filter
-from elasticyolo.local_cluster.wait import wait_for
+from support.unit_sandbox import UnitSandbox, expand_syscall_filter, kept_under_tmp
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = REPO / "systemd" / "elasticyolo-agent.service"
@@ -159,6 +159,9 @@ def test_a_configuration_error_is_not_restarted_and_systemctl_status_shows_why(s
     hidden = _home_paths([Path(sys.base_prefix).resolve(), REPO, venv_python.parent.parent.resolve()])
     if hidden:  # a home directory as tmpfs with only these in it (ProtectHome=yes hides them all)
         lines += ["ProtectHome=tmpfs", *(f"BindReadOnlyPaths={p}" for p in hidden)]
+    # A checkout under /tmp (the unit's PrivateTmp= hides it): bound into the private /tmp.
+    lines += [f"BindReadOnlyPaths={p}" for p in kept_under_tmp([Path(sys.base_prefix).resolve(), REPO,
+                                                                venv_python.parent.parent.resolve()])]
     (drop_in / "test.conf").write_text("\n".join(lines) + "\n")
     port = free_port()  # nothing listens there
     config.write_text(f"etcd: 127.0.0.1:{port}\nttl: soon\n")

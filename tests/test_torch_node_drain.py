@@ -8,6 +8,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+from elasticyolo.engines import registry
 from elasticyolo.engines.torch.node import LauncherProcess, TorchNode
 from elasticyolo.local_cluster.wait import wait_for
 from elasticyolo.worker_runtime.worker_env import WorkerEnv
@@ -25,7 +26,7 @@ def ignores_sigterm(pid: int) -> bool:
 def test_a_drains_launcher_is_killed_before_the_nodes_deadline_not_after_its_grace(tmp_path) -> None:
     drain = SimpleNamespace(deadline=0.0)
     agent = SimpleNamespace(cfg=SimpleNamespace(), drain=drain, wake=lambda: None)
-    node = TorchNode(engine=None, agent=agent, stop_grace_s=60.0)  # type: ignore[arg-type]
+    node = TorchNode(engine=registry.get("torch"), agent=agent, stop_grace_s=60.0)
     node.drain = SimpleNamespace(kill_lead_s=1.0)  # type: ignore[assignment]
     node._proc = LauncherProcess(1, DEAF, dict(os.environ), WorkerEnv(worker_dir=str(tmp_path)), on_exit=lambda: None)
     wait_for(lambda: ignores_sigterm(node._proc.pid), 10, "the launcher up")  # type: ignore[union-attr, arg-type]
