@@ -219,6 +219,14 @@ def replay_services(o: ReplayOptions, spec: list[str], root: Path, notice_s: flo
         yield ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, notice_s, say, slices=slices)
 
 
+def ideal_json(run: Any) -> dict[str, Any]:
+    """The ideal's rates per world size (a `SystemRun`'s calibrations) and every span measured."""
+    return {"ideal_samples_per_s": {str(n): round(r, 2) for n, r in sorted(run.rates.items())},
+            "calibration_spans_samples_per_s": {
+                when: {str(n): [round(r, 2) for r in rs] for n, rs in sorted(spans.items())}
+                for when, spans in (("before", run.span_rates), ("after", run.span_rates_after))}}
+
+
 def write_json(path: Path, out: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
@@ -335,10 +343,7 @@ def run_replay(o: ReplayOptions, say: Callable[[str], None] = print, argv: list[
     # can differ between the runs), not mixed in: raising the ideal to the best stretch seen made
     # it the luckiest noise on the box.
     rates = dict(er.rates)
-    out["ideal_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(rates.items())}
-    out["calibration_spans_samples_per_s"] = {
-        when: {str(n): [round(r, 2) for r in rs] for n, rs in sorted(spans.items())}
-        for when, spans in (("before", er.span_rates), ("after", er.span_rates_after))}
+    out.update(ideal_json(er))
     out["steady_stretch_samples_per_s"] = {
         run.name: {str(n): round(r, 2) for n, r in sorted(stretch_rates(
             run.events, run.windows[0].t_start, run.windows[-1].t_stop).items())}

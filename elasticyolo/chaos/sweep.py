@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from elasticyolo.chaos.replay import (Prepared, ReplayOptions, calibration_span_s, change_kinds, final_world,
-                                      job_spec, live_run, prepare, replay_services, write_json)
+                                      ideal_json, job_spec, live_run, prepare, replay_services,
+                                      write_json)
 from elasticyolo.chaos.schedule import timeline
 from elasticyolo.chaos.trace import SpotTrace, TraceError, Window, load_trace
 
@@ -93,10 +94,7 @@ def run_sweep(o: ReplayOptions, min_changes: int, say: Callable[[str], None] = p
             run = run_elastic(env, episodes, o.nodes, calibration_span_s(o.calibrate_s, ckpt_live_s))
     out["wall_s"] = round(time.monotonic() - t_begin, 1)
     rates = dict(run.rates)
-    out["ideal_samples_per_s"] = {str(n): round(r, 2) for n, r in sorted(rates.items())}
-    out["calibration_spans_samples_per_s"] = {
-        when: {str(n): [round(r, 2) for r in rs] for n, rs in sorted(spans.items())}
-        for when, spans in (("before", run.span_rates), ("after", run.span_rates_after))}
+    out.update(ideal_json(run))
     for w, (_, p), played in zip(out["windows"], windows, run.windows):
         kinds, delays = change_kinds(p.elastic, p.timeline)
         fig = measure(run.events, t_start=played.t_start, tl=p.timeline, rates=rates, num_samples=o.train_images,
