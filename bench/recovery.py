@@ -94,10 +94,6 @@ def signal_all(pids: list[int], sig: int) -> None:
 class ElasticyoloRun:
     def __init__(self, tmp: Path, endpoints: str, data: Path, engine: str = "horovod") -> None:
         env = {"OMP_NUM_THREADS": "1"}
-        if engine == "torch":
-            torch_bench = _load_torch_bench()
-            env.update(ELASTICYOLO_TORCH_RDZV_CONF=torch_bench.RDZV_CONF,
-                       ELASTICYOLO_TORCH_MONITOR_INTERVAL=torch_bench.MONITOR)
         self.c = AgentCluster(endpoints, f"bench-{tmp.name}", tmp, env=env)  # one job per run
         self.data, self.submitted, self.engine = data, False, engine
         self.frozen: list[int] = []

@@ -1,4 +1,4 @@
-"""The collective abort (engines/horovod/abort.py) on real loopback TCP connections: it shuts the
+"""The collective abort (worker_runtime/collective_abort.py) on real loopback TCP connections: it shuts the
 connections that existed at the abort, keeps shutting them until the worker settles, and never
 touches a connection made after the abort (the next world's).
 
@@ -13,7 +13,7 @@ import textwrap
 
 PRELUDE = textwrap.dedent("""
     import socket, time
-    from elasticyolo.engines.horovod.abort import CollectiveAborter
+    from elasticyolo.worker_runtime.collective_abort import CollectiveAborter
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

@@ -314,7 +314,7 @@ def test_leader_publishes_a_frozen_agent_as_suspect_until_it_beats_again(etcd_se
 
 # ---- a silent agent is no evidence against its worker (engines/horovod/failures.py) --------------
 def test_a_suspect_is_lost_only_while_the_world_does_not_step() -> None:
-    from elasticyolo.engines.horovod.failures import lost_nodes, world_stalled
+    from elasticyolo.engines.world_health import lost_nodes, world_stalled
 
     verdicts = {"a": Verdict.ALIVE, "b": Verdict.SUSPECT, "c": Verdict.DEAD}
     assert lost_nodes(verdicts, stalled=False) == {"c"}  # b's agent is silent, but the world steps
@@ -327,7 +327,8 @@ def test_a_suspect_is_lost_only_while_the_world_does_not_step() -> None:
 
 
 def test_discovery_keeps_a_node_whose_record_vanished_for_a_grace() -> None:
-    from elasticyolo.engines.horovod.discovery import Remembered, list_recent, note_step
+    from elasticyolo.engines.horovod.discovery import Remembered, list_recent
+    from elasticyolo.engines.world_health import note_step
 
     memory = Remembered()
     rec = {"state": "TRAINING", "slots": 1}

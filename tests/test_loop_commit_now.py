@@ -1,6 +1,6 @@
 """The training loop commits where its hooks' interval says, at epoch ends and at the end, and at
 any step after which the hooks' optional `commit_now()` says the world agreed to (the torch
-engine: a rank was asked to stop, `engines/torch/stop_at_commit.py`)."""
+engine: a rank was asked to stop, `engines/torch/worker.py`: a newer world is out or a rank asked to leave)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ import psutil
 import pytest
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
-from elasticyolo.engines.horovod.failures import etcd_answers, excluded_hosts
+from elasticyolo.engines.horovod.failures import excluded_hosts
+from elasticyolo.engines.world_health import etcd_answers
 from support import netns
 from elasticyolo.local_cluster.agent_cluster import AgentCluster
 from support.netns import NetLab, NetnsEtcdReader

@@ -1,8 +1,9 @@
-"""engine=torch end to end: real `elasticyolo agent` processes (each one node with one slot) run
-torch's LocalElasticAgent on the etcd3 rendezvous; the workers train a real YOLO model on
-generated data. Scenarios: SIGKILL one of two agents mid-epoch, a third node joins, a node frozen
-then thawed, a node drained on a spot notice, the job runs
-to the end with a checkpoint store and a resubmission resumes from the store, an etcd member dies.
+"""engine=torch end to end: real `elasticyolo agent` processes (each one node with one slot); the
+survivors of every world change re-form their process group in place (torch's Gloo
+reconfiguration) and keep their processes; the workers train a real YOLO model on generated data.
+Scenarios: SIGKILL one of two agents mid-epoch, a third node joins, a node frozen then thawed, a
+node drained on a spot notice, the job runs to the end with a checkpoint store and a resubmission
+resumes from the store, an etcd member dies.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from elasticyolo.spec import TrainSpec  # noqa: E402
 from elasticyolo.worker_runtime.prewarm import WARMING_EVENT  # noqa: E402
 
 N_TRAIN = 32
-# Short rendezvous timeouts: a dead node leaves after keep_alive_interval * max_attempt seconds.
-RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,read_timeout=60"
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,6 @@ class TorchJob:
         self.trace_dir = tmp / "trace"
         self.agents: dict[str, AgentProcess] = {}
         self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_WORK_DIR": str(tmp / "nodes"),
-                    "ELASTICYOLO_TORCH_RDZV_CONF": RDZV_CONF,
                     "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
 
     def submit(self, pairs: list[str], replace: bool = False) -> None:
@@ -144,8 +142,10 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     first = [e for e in job.events("resume") if e["world"] == 2]
     assert len(first) == 2 and first[0]["params_digest"] == first[1]["params_digest"], first
 
-    # SIGKILL B's agent mid-epoch: its worker dies with it; A re-rendezvouses alone.
+    # SIGKILL B's agent mid-epoch: its worker dies with it; A's worker re-forms a world of one in
+    # place, rolled back to its last commit in memory.
     b_workers = job.worker_pids("b")
+    assert len(job.worker_pids("a")) == 1
     a_worker = max(job.worker_pids("a"))
     t_kill = time.time()
     b.kill()
@@ -154,7 +154,7 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     kill_to_step = step1["t"] - t_kill
     last_commit = max(e["step"] for e in job.events("commit", pid=a_worker))
     resume_a = [e for e in job.events("resume", node="a") if e["t"] > t_kill][0]
-    assert (resume_a["world"], resume_a["source"]) == (1, "local"), resume_a
+    assert (resume_a["world"], resume_a["source"], resume_a["pid"]) == (1, "memory", a_worker), resume_a
     assert resume_a["step"] == last_commit, (resume_a, last_commit)  # the newest state, not older
     assert step1["step"] == last_commit + 1
 
@@ -166,17 +166,18 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     resumed = [e for e in job.events("resume") if e["t"] > t_join]
     by_node = {e["node"]: e for e in resumed}
     assert set(by_node) == {"a", "c"}, resumed
-    assert by_node["c"]["source"] == "peer" and by_node["a"]["source"] == "local", resumed
+    assert by_node["c"]["source"] == "peer" and by_node["a"]["source"] == "memory", resumed
+    assert by_node["a"]["pid"] == a_worker, "the survivor's worker process was replaced on a join"
     assert by_node["a"]["step"] == by_node["c"]["step"] >= resume_a["step"]
     assert by_node["a"]["params_digest"] == by_node["c"]["params_digest"]
-    # A's world-1 round ended at a commit (engines/torch/stop_at_commit.py): the world of two
-    # resumed from A's last step, and no step A trained was thrown away.
+    # A's world of one ended at a commit (engines/torch/worker.py): the world of two resumed from
+    # A's last step, and no step A trained was thrown away.
     before = [e["step"] for e in job.events("step", pid=resume_a["pid"]) if e["t"] < by_node["a"]["t"]]
     assert by_node["a"]["step"] == max(before), (by_node["a"], max(before))
     job.wait(lambda: max(e["step"] for e in job.steps_after(t_join, 2)) >= by_node["c"]["step"] + 3, 60,
              "training continues at world 2")
 
-    # Cancel: both agents stop their torch agents and every worker exits.
+    # Cancel: both agents stop their launchers and every worker exits.
     workers = {e["pid"] for e in job.events("resume")}
     job.cancel()
     job.wait(lambda: all(gone(p) for p in workers), 60, "all workers stopped after cancel")
@@ -185,10 +186,10 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     # execution of each step).
     loaders = job.events("loader")
     assert loaders and all(e["workers"] == 2 for e in loaders), loaders
-    # Every round's worker was a warm one forked from its node's zygote (worker_runtime/zygote.py), not
-    # a fresh process started because the zygote failed.
+    # Every worker was a warm one forked from its node's zygote (worker_runtime/zygote.py), not a
+    # fresh process started because the zygote failed; one per node: none was restarted.
     warming = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == WARMING_EVENT]
-    assert len(warming) >= 4 and all(r.get("forked") for r in warming), warming
+    assert len(warming) == 3 and all(r.get("forked") for r in warming), warming
     # ... and each node's zygote was forked from its launcher: a node imports torch once.
     zygotes = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == "zygote started"]
     assert zygotes and all(r.get("forked_from") for r in zygotes), zygotes
@@ -249,13 +250,11 @@ def test_a_frozen_node_leaves_at_the_heartbeat_timeout_and_rejoins_when_thawed(e
 
 def test_spot_notice_drains_a_node_and_the_survivor_reforms_without_waiting_for_its_heartbeat(
         etcd_server, job_name, dataset, jobs, md) -> None:
-    """A spot notice on one of two nodes, at torch's default heartbeat (5 s x 3). The node's agent
-    stops its launcher, whose rendezvous member is then marked left, so the survivor's next round
-    completes without it at once: before bb770b0 a launcher stopped inside an etcd request kept
-    its participant until the heartbeat expired and the survivor stood still for 15 s. The drain
-    loses nothing: every finished epoch trained each sample once."""
+    """A spot notice on one of two nodes. The node's agent stops its launcher; its worker asks to
+    leave, the coordinator publishes a world without it, and both ranks leave the world of two at
+    the same commit: the survivor's process enters the world of one at once, with no timeout
+    waited out. The drain loses nothing: every finished epoch trained each sample once."""
     job = jobs(etcd_server.endpoints, job_name)
-    job.env["ELASTICYOLO_TORCH_RDZV_CONF"] = "last_call_timeout=1"  # the heartbeat at its default
     job.submit(spec_pairs(dataset, epochs=200))
     job.start("a")
     job.wait(lambda: job.client.get(job.keys.leader), 30, "a leads")
@@ -269,14 +268,14 @@ def test_spot_notice_drains_a_node_and_the_survivor_reforms_without_waiting_for_
     t_left = time.time()
     assert b.proc is not None and b.proc.returncode == 0, job.logs()
     step1 = job.wait(lambda: job.steps_after(t_notice, 1), 60, "a step at world 1")[0]
-    # Its launcher's member key says it left (the survivor's round did not wait for its heartbeat).
-    members = [json.loads(v) for k, v, _ in job.client.get_prefix(job.keys.rdzv) if "/members/" in k]
-    mine = [m for m in members if m.get("node") == "b"]
-    assert mine and all(m.get("left") for m in mine), members
-    assert step1["t"] - t_left < 15 / 2, f"world 1 trained {step1['t'] - t_left:.1f}s after the node left"
-    # The world of two stopped at a commit (engines/torch/stop_at_commit.py): the survivor resumed
-    # from the last step it trained; the drain threw no step away.
+    # Its worker's member record went with it; the survivor's worker is the same process.
+    members = [json.loads(v) for _, v, _ in job.client.get_prefix(job.keys.torch) if b'"member"' in v]
+    assert not [m for m in members if m.get("node") == "b"], members
+    assert step1["t"] - t_left < 5, f"world 1 trained {step1['t'] - t_left:.1f}s after the node left"
+    # The world of two stopped at a commit (engines/torch/worker.py): the survivor resumed from the
+    # last step it trained; the drain threw no step away.
     resume_a = [e for e in job.events("resume", node="a") if e["t"] > t_notice][0]
+    assert resume_a["pid"] in job.worker_pids("a") and len(job.worker_pids("a")) == 1
     before = [e["step"] for e in job.events("step") if e["t"] < resume_a["t"]]
     assert resume_a["step"] == max(before), (resume_a, max(before))
     kinds = [json.loads(v).get("kind") for _, v, _ in job.client.get_prefix(job.keys.events)]

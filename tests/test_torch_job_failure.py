@@ -23,8 +23,6 @@ from elasticyolo.engines.crash_loop import ALL_CRASH_LIMIT, RECORD_FIELD  # noqa
 from elasticyolo.local_cluster.agent_cluster import AgentCluster  # noqa: E402
 from elasticyolo.local_cluster.servers import EtcdCluster  # noqa: E402
 
-# Short rendezvous timeouts (tests/test_torch_engine.py): a round forms in about a second.
-RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,read_timeout=60"
 SPEC = ("engine=torch", "imgsz=64", "batch=4", "nbs=8", "warmup_epochs=0", "close_mosaic=0",
         "val=false", "amp=false", "commit_every=2", "gloo_timeout_s=30", "min_nodes=1")
 FAIL_S = 90  # from submission to `failed`
@@ -38,7 +36,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cluster(etcd_server: EtcdCluster, job_name: str, tmp_path: Path) -> Iterator[AgentCluster]:
     c = AgentCluster(etcd_server.endpoints, job_name, tmp_path,
-                     env={"OMP_NUM_THREADS": "1", "ELASTICYOLO_TORCH_RDZV_CONF": RDZV_CONF})
+                     env={"OMP_NUM_THREADS": "1"})
     yield c
     c.stop()
 

@@ -17,7 +17,9 @@
 | `resume`                          | rank 0 worker     | none       | one per (re)start of training: {"step","world","lost_steps","reason","term","at"} |
 | `quiesce`                         | a draining agent  | none       | quiesce request: {"id","term","checkpoint","hold","timeout_s","by","at"} |
 | `quiesce_ack`                     | rank 0 worker     | none       | {"id","step","epoch","checkpoint","at"} |
-| `rdzv/...`                        | torch elastic backend | -      | torch rendezvous state (engines/torch) |
+| `rdzv/...`                        | torchrun's etcd3 rendezvous | -  | torch rendezvous state (engines/torch/rendezvous.py) |
+| `torch/<gen>/members/<node>.<slot>` | the worker; its node's launcher deletes it | none | MemberRecord (engines/torch/world_plan.py) |
+| `torch/<gen>/store/...`           | torch engine workers | none    | the process groups' store: reconfiguration keys, incarnation counter |
 
 Job names and node ids follow one rule (`_NAME_RE`): 1-128 of `A-Z a-z 0-9 . _ -`, starting
 with a letter or digit, so a name never needs escaping in a key, an object-store path or a
@@ -70,6 +72,7 @@ class JobKeys:
         self.quiesce = self.prefix + "quiesce"
         self.quiesce_ack = self.prefix + "quiesce_ack"
         self.rdzv = self.prefix + "rdzv/"
+        self.torch = self.prefix + "torch/"
         self.billing = self.prefix + "billing/"
 
     def node(self, node_id: str) -> str:
@@ -84,6 +87,17 @@ class JobKeys:
 
     def launch_slot(self, node_id: str, local_rank: int) -> str:
         return f"{self.launch(node_id)}{local_rank}"
+
+    def torch_members(self, generation: int) -> str:
+        """The torch engine's member records of one submission (`torch/<gen>/members/`)."""
+        return f"{self.torch}{generation}/members/"
+
+    def torch_member(self, generation: int, node_id: str, slot: int) -> str:
+        return f"{self.torch_members(generation)}{node_id}.{slot}"
+
+    def torch_store(self, generation: int) -> str:
+        """The torch engine's process-group store of one submission (`torch/<gen>/store/`)."""
+        return f"{self.torch}{generation}/store/"
 
     def error(self, node_id: str) -> str:
         return self.errors + node_id

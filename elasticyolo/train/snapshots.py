@@ -10,7 +10,7 @@ copies the tensors to CPU; pickling and the disk write run on a background threa
 replaces one still waiting, so at most one write is queued; `save_now` (a drain's quiesce) waits
 until its state is on disk; pending writes are finished at interpreter exit, and (torch
 engine) on SIGTERM before the process goes (`finish_snapshot_on_sigterm`; the torch worker first
-tries to stop at its next commit, `engines/torch/stop_at_commit.py`). An engine may
+tries to stop at its next commit, `engines/torch/worker.py`). An engine may
 snapshot less often than it commits (`period_s`).
 
 Restore (`restore_newest`): a collective over a freshly started world with the engine's
@@ -181,7 +181,7 @@ def finish_snapshot_on_sigterm(snapshots: "LocalSnapshots", timeout_s: float = 5
     SIGTERM 50 ms after a commit, while its state was being copied). A thread watches the signal wakeup fd, so a main
     thread blocked in a collective delays nothing. Main thread only (False elsewhere).
     `stop_at_commit`: asked first; True means the main thread stops at a commit and exits by
-    itself (`engines/torch/stop_at_commit.py`), False that it did not in time."""
+    itself (`engines/torch/worker.py`), False that it did not in time."""
     if threading.current_thread() is not threading.main_thread():
         return False
     r, w = os.pipe()
@@ -210,7 +210,7 @@ class Restored:
     src_rank: int = -1
 
 
-def _send_state(state: dict[str, Any] | None, src: int, collectives: Collectives) -> dict[str, Any]:
+def send_state(state: dict[str, Any] | None, src: int, collectives: Collectives) -> dict[str, Any]:
     data = None
     if collectives.rank == src:
         assert state is not None
@@ -250,7 +250,7 @@ def restore_newest(core: "TrainCore", snapshots: LocalSnapshots | None, collecti
             load_core_state(core, local)
             restored = Restored("local", best, src)
         else:
-            load_core_state(core, _send_state(local if rank == src else None, src, collectives))
+            load_core_state(core, send_state(local if rank == src else None, src, collectives))
             restored = Restored("local" if steps[rank] == best else "peer", best, src)
     else:
         # The store is ahead of every node (all nodes are new, or snapshots were lost).
@@ -259,7 +259,7 @@ def restore_newest(core: "TrainCore", snapshots: LocalSnapshots | None, collecti
             state = core_state(core)
         if not collectives.broadcast_object(state is not None, 0):
             return Restored("fresh", 0)
-        state = _send_state(state, 0, collectives)
+        state = send_state(state, 0, collectives)
         if rank != 0:
             load_core_state(core, state)
         restored = Restored("store", core.progress.step, 0)

@@ -45,6 +45,12 @@ def _cpu(obj: Any) -> Any:
     return obj
 
 
+def clone_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a `core_state` dict that shares no tensor with it (loading a state hands its
+    tensors to the optimizer, which then trains in them)."""
+    return _cpu(dict(state))  # type: ignore[no-any-return]
+
+
 def progress_dict(core: "TrainCore") -> dict[str, Any]:
     return asdict(core.progress)
 

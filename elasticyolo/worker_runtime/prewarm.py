@@ -6,9 +6,8 @@ waiting for its distributed environment on stdin.
 Starting a worker costs seconds (imports, model, dataset scan: 4-12 s on 2 busy cores). Horovod:
 the agent keeps a warm process per free slot and offers the slot to discovery (`ready_slots` in
 its node record) only once it is ready, so a join costs the running world only the rendezvous and
-the state sync. torch elastic restarts the world on every change: its launcher keeps one warm
-process per slot and hands it the next round's environment instead of starting a new process
-(`engines/torch/warm.py`).
+the state sync. torch: the node's launcher starts each slot's worker from its warm process, and
+again where one died (`engines/torch/launcher.py`).
 
 Protocol (worker side `serve()`, pool side `PrewarmPool`): the process prints `READY_LINE`
 when warm, then reads one JSON line (environment to add) and trains as a normal worker.

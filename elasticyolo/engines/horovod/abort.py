@@ -1,13 +1,6 @@
-"""Abort a worker's in-flight Gloo collective, so nobody waits out Gloo's timeout on a dead peer.
+"""Horovod's part of the collective abort (`worker_runtime/collective_abort.py`).
 
-Horovod 0.28 has no abort: a rank blocked in a receive from a peer that stopped participating
-waits `HOROVOD_GLOO_TIMEOUT_SECONDS` (measured: SIGKILL of 1 of 3 nodes, the rank next to the dead
-one failed at once, but another rank then waited 5 s on a survivor that had left the collective
-and kept its sockets open while its own reset blocked in the rendezvous). A `shutdown()` of a
-process's Gloo connections makes every peer blocked on it fail at once instead ("connection
-closed by peer"); each of them does the same, so the whole world is in its reset within
-milliseconds. Two triggers:
-
+Two triggers:
 * a worker whose collective failed (HorovodInternalError) aborts its own connections before it
   resets (`AlwaysSyncTorchState.restore`);
 * the driver, when the liveness signals lose a node of the world (cluster/liveness.py), sends
@@ -15,61 +8,17 @@ milliseconds. Two triggers:
   service, already connected to every worker): a world blocked on a frozen node, which closes
   nothing, resets at the heartbeat timeout instead of Gloo's.
 
-Which sockets: the process's established TCP connections except those to etcd, to the Horovod
-rendezvous server and of the worker's notification service. Shutting down (not closing) leaves
-the file descriptors to their owner (Gloo closes them when Horovod re-initialises).
+Kept open through an abort: the connections to Horovod's rendezvous server and those of the
+worker's notification service.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
-from typing import Callable, Iterable
 
-from elasticyolo.log import get_logger
-
-log = get_logger("elasticyolo.worker")
+from elasticyolo.worker_runtime.collective_abort import CollectiveAborter, abort_collectives
 
 ABORT = 0x40  # a bit beyond Horovod's HostUpdateResult flags (no_update 0, removed 1, added 2)
-_OPEN = ("ESTABLISHED", "CLOSE_WAIT")  # psutil.CONN_* values
-
-
-def _etcd_ports() -> set[int]:
-    ports = set()
-    for ep in (os.environ.get("ELASTICYOLO_ETCD") or "").split(","):
-        tail = ep.strip().rsplit(":", 1)[-1].rstrip("/")
-        if tail.isdigit():
-            ports.add(int(tail))
-    return ports
-
-
-Conn = tuple[tuple[str, int], tuple[str, int]]  # (local, remote) address of a TCP connection
-
-
-def collective_connections(keep_local_ports: Iterable[int] = (), states: Iterable[str] | None = _OPEN,
-                           ) -> list[tuple[int, Conn]]:
-    """This process's collective (Gloo) TCP connections in `states` (None: any), as
-    (file descriptor, (local, remote) address)."""
-    import psutil
-
-    keep_remote = _etcd_ports()
-    rdzv = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "")
-    if rdzv.isdigit():
-        keep_remote.add(int(rdzv))
-    keep_local = set(keep_local_ports)
-    wanted = None if states is None else set(states)
-    out = []
-    for c in psutil.Process().net_connections(kind="tcp"):
-        # CLOSE_WAIT too: the dead peer's own connections (its FIN arrived, Gloo has not acted on
-        # it). Seen: a survivor that shut only its ESTABLISHED ones still waited out Gloo's timeout.
-        if (wanted is not None and c.status not in wanted) or c.fd is None or c.fd < 0 or not c.raddr:
-            continue
-        if c.raddr.port in keep_remote or c.laddr.port in keep_local:
-            continue
-        out.append((c.fd, ((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port))))
-    return out
 
 
 def notification_ports() -> set[int]:
@@ -85,100 +34,15 @@ def notification_ports() -> set[int]:
         return set()
 
 
-def abort_collectives(among: set[Conn] | None = None) -> int:
-    """Shut down this process's open collective connections (only those in `among` if given);
-    returns how many."""
-    n = 0
-    for fd, conn in collective_connections(notification_ports()):
-        if among is not None and conn not in among:
-            continue
-        try:
-            dup = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a dup: gloo keeps its own fd
-        except OSError:
-            continue
-        try:
-            dup.shutdown(socket.SHUT_RDWR)
-            n += 1
-        except OSError:
-            pass
-        finally:
-            dup.close()
-    return n
+def horovod_kept() -> tuple[set[int], set[int]]:
+    """(local, remote) ports a Horovod worker keeps through an abort."""
+    rdzv = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "")
+    return notification_ports(), ({int(rdzv)} if rdzv.isdigit() else set())
 
 
-class CollectiveAborter:
-    """`abort()` shuts the collective connections now, then every `retry_s` shuts those of the
-    connections that existed at the abort (in any state then) which are open again or still, until
-    the worker has left the failed collective (`settled()`: its restore or reset began), at most
-    `give_up_s`. Connections made after the abort (the next world's) are never touched.
-
-    Once is not always enough (seen under load: a survivor shut 3 of its 4 Gloo connections and
-    then waited out Gloo's 30 s timeout in its allreduce)."""
-
-    def __init__(self, retry_s: float = 0.25, give_up_s: float = 10.0) -> None:
-        self.retry_s, self.give_up_s = retry_s, give_up_s
-        self._settled = threading.Event()
-        self._settled.set()
-        self._lock = threading.Lock()
-        self._doomed: set[Conn] = set()
-        self._in_world = True  # False from a reset's start until the next world is up
-
-    def abort(self) -> int | None:
-        """Shut the collective connections (see the class); how many, or None: ignored while the
-        worker is between worlds (`left`): the abort was meant for the world it left, and what it has open now is its
-        rendezvous with the next one (seen: a late abort shut a rank's rendezvous request; the world
-        formed without that rank and its peers sat out Gloo's 30 s timeout in their context setup)."""
-        with self._lock:
-            if not self._in_world:
-                return None
-            running = not self._settled.is_set()
-            self._settled.clear()
-            self._doomed |= {conn for _, conn in collective_connections(notification_ports(), states=None)}
-            doomed = set(self._doomed)
-        n = abort_collectives(among=doomed)
-        if not running:
-            threading.Thread(target=self._retry, name="abort-retry", daemon=True).start()
-        return n
-
-    def settled(self) -> None:
-        """The worker left the collective: stop retrying."""
-        with self._lock:
-            self._settled.set()
-            self._doomed = set()
-
-    def left(self) -> None:
-        """The worker left its world (its restore or reset began): stop retrying, and ignore
-        aborts until `joined`."""
-        with self._lock:
-            self._in_world = False
-        self.settled()
-
-    def joined(self) -> None:
-        """The worker is in a world again (its reset completed)."""
-        with self._lock:
-            self._in_world = True
-
-    def _retry(self) -> None:
-        deadline = time.monotonic() + self.give_up_s
-        while not self._settled.wait(self.retry_s):
-            with self._lock:
-                doomed = set(self._doomed)
-            if time.monotonic() > deadline:
-                log.warning("collective still not failed after the abort", seconds=self.give_up_s,
-                            left=[f"{conn}: {st}" for st, conn in _states(doomed)])
-                self.settled()
-                return
-            n = abort_collectives(among=doomed)
-            if n:
-                log.info("collective aborted again", connections=n)
+def horovod_aborter() -> CollectiveAborter:
+    return CollectiveAborter(kept=horovod_kept)
 
 
-def _states(conns: set[Conn]) -> list[tuple[str, Conn]]:
-    """The TCP state of each of `conns` now (for the log)."""
-    import psutil
-
-    out = []
-    for c in psutil.Process().net_connections(kind="tcp"):
-        if c.raddr and ((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port)) in conns:
-            out.append((c.status, ((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port))))
-    return out
+def abort_horovod_collectives() -> int:
+    return abort_collectives(kept=horovod_kept)

@@ -26,6 +26,7 @@ from elasticyolo.agent.staging import data_ready
 from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.engines.world_health import note_step
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 
@@ -97,20 +98,6 @@ def list_recent(nodes: dict[str, dict[str, Any]], memory: Remembered, now: float
             del memory.last_seen[node]
             del memory.missing_since[node]
     return listed
-
-
-def note_step(step: int | None, memory: Remembered, now: float) -> None:
-    """Track when rank 0's reported step last advanced, and how often it does (an EMA)."""
-    if step is None:
-        return
-    if memory.step is None or step < memory.step:  # first sight, or a new submission/rollback
-        memory.step, memory.step_changed_at = step, now
-        return
-    if step > memory.step:
-        if memory.step_changed_at is not None:
-            gap = now - memory.step_changed_at
-            memory.step_period_s = gap if memory.step_period_s is None else 0.7 * memory.step_period_s + 0.3 * gap
-        memory.step, memory.step_changed_at = step, now
 
 
 class ClusterView:

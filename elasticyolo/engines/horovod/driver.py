@@ -33,11 +33,12 @@ from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.cluster.liveness import LivenessServer, Verdict
 from elasticyolo.engines.horovod.abort import ABORT
 from elasticyolo.engines.horovod.discovery import ClusterView, EtcdHostDiscovery, Snapshot
-from elasticyolo.engines.horovod.failures import (PEER_GRACE_S, RESET_GRACE_S, SlotFacts, abort_targets, etcd_answers,
-                                                  excluded_hosts, lost_nodes, slot_outcome, world_stalled)
+from elasticyolo.engines.horovod.failures import (PEER_GRACE_S, RESET_GRACE_S, SlotFacts, abort_targets,
+                                                  excluded_hosts, slot_outcome)
 from elasticyolo.engines.horovod.registry import GuardedWorkerRegistry
 from elasticyolo.engines.horovod.rendezvous import BoundRendezvousServer, rendezvous_handler
 from elasticyolo.engines.horovod.round_policy import is_crash
+from elasticyolo.engines.world_health import etcd_answers, lost_nodes, world_stalled
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec

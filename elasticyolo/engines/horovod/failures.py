@@ -10,7 +10,7 @@ must be reported only for a worker that really is gone:
   reported at once, so the world does not wait for the lease;
 * the node is SUSPECT (no heartbeat) or its lease is gone, but that alone proves nothing about
   its worker: only the *agent* may be frozen (or starved of CPU) while the worker trains on. A
-  suspect node is treated as lost only once the world has stopped stepping (`world_stalled`: a
+  suspect node is treated as lost only once the world has stopped stepping (`engines/world_health.py`: a
   frozen VM's worker blocks every collective, a frozen agent's does not): then it is taken out
   of discovery and the world's collective is aborted. While the world steps on, the suspect
   stays, and its agent comes back with its next heartbeat. A lost node's worker is counted
@@ -18,7 +18,7 @@ must be reported only for a worker that really is gone:
   others have (it is frozen or cut off too), or when it is no longer part of the world anyway
   (the result is then ignored).
 
-A leader acts on those signals only while etcd answers it (`etcd_answers`): cut off from the
+A leader acts on those signals only while etcd answers it (`world_health.etcd_answers`): cut off from the
 others and etcd, it would see every node fall silent at once. The silence is then its own, and
 dropping them (aborting its world, leaving them out) would form a world of its own in the
 minority, which the majority does not know of. Its lease decides instead: it steps down (the
@@ -38,35 +38,6 @@ RESET_GRACE_S = 0.5  # after the reset's first registration: a live worker has r
 # one never does.
 # With RESET_GRACE_S alone, a whole frozen node would cost the world 0.5 s more (bench/recovery.py).
 PEER_GRACE_S = 0.15
-
-
-# The world counts as stalled when rank 0's step has not advanced for this many times the recent
-# interval between advances, and at least STALL_MIN_S (progress is reported at most twice a second).
-STALL_PERIODS = 2.5
-STALL_MIN_S = 1.0
-
-
-def world_stalled(step_changed_at: float | None, step_period_s: float | None, now: float) -> bool:
-    """Whether the world has stopped stepping (no step seen yet counts as stalled: nothing shows
-    that a suspect node's worker takes part)."""
-    if step_changed_at is None:
-        return True
-    window = max(STALL_MIN_S, STALL_PERIODS * (step_period_s or 0.0))
-    return now - step_changed_at > window
-
-
-def lost_nodes(verdicts: dict[str, Verdict], stalled: bool) -> set[str]:
-    """The nodes the driver treats as lost: every DEAD one (its agent and workers are gone), and
-    the SUSPECT ones only while the world does not step (a silent agent alone is no evidence)."""
-    return {n for n, v in verdicts.items() if v is Verdict.DEAD or (v is Verdict.SUSPECT and stalled)}
-
-
-def etcd_answers(view_age_s: float, heartbeat_timeout_s: float) -> bool:
-    """Whether the leader's last etcd read is recent enough to trust its liveness verdicts. A
-    suspect went silent `heartbeat_timeout_s` ago (less one heartbeat interval at most); had the
-    leader been cut off then, its reads (every 0.2 s) would have stopped as long ago. Holds for
-    heartbeat intervals below half the timeout (the default: 0.25 s of 2 s)."""
-    return view_age_s < heartbeat_timeout_s / 2
 
 
 def excluded_hosts(lost: set[str], excluded_before: set[str], answers: bool) -> set[str]:

@@ -24,7 +24,7 @@ from horovod.common.elastic import ObjectState, run_fn
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from elasticyolo.engines.horovod.abort import ABORT, CollectiveAborter, abort_collectives
+from elasticyolo.engines.horovod.abort import ABORT, abort_horovod_collectives, horovod_aborter
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
 from elasticyolo.engines.horovod.saved_state import buffered_handler
 from elasticyolo.engines.horovod.state_sync import apply_plain, send_shards, signature, state_tensors
@@ -68,7 +68,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
 
     quiesce_poller: QuiescePoller | None = None
     on_quiesce: Any = None  # called on every rank at the commit all ranks agreed to quiesce at
-    aborter = CollectiveAborter()  # one worker process, one state
+    aborter = horovod_aborter()  # one worker process, one state
     model_ema: Any = None  # the ModelEMA updating `ema` from `net` (a layout change must reach it)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -131,7 +131,7 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
     def restore(self) -> None:
         # Our collective failed: stop the peers that still wait on us at once, before the reset
         # blocks in the rendezvous (our sockets would otherwise stay open until Gloo's timeout).
-        abort_collectives()
+        abort_horovod_collectives()
         self.aborter.left()  # the connections made from now on are the next world's
         super().restore()
 

@@ -1,11 +1,12 @@
-"""`engine=torch`: torch elastic on an etcd v3 rendezvous, run by the agents. Torch-free at import:
-the agent loads this; `worker_main` imports torch.
+"""`engine=torch`: torch.distributed, re-formed in place on every world change, run by the agents.
+Torch-free at import: the agent loads this; `worker_main` imports torch.
 
-Agent side: `node.py` (one `launcher.py` process per node: torch's `LocalElasticAgent`, the
-`rendezvous.py` backend). Drain planner: stop, the default (torch elastic restarts the world on any change and
-the survivors restore the newest node-local snapshot). Worker: `worker.py`, started warm
-(`warm.py`, `worker_runtime/prewarm.py`). A commit: snapshot (every node, every commit) and
-checkpoint, about every `commit_target_s` seconds of work.
+Agent side: `node.py` (one `launcher.py` process per node keeps its slots' workers; the leader's
+`coordinator.py` publishes each world, decided by `world_plan.py`). Drain planner: stop, the
+default (the leaving worker asks to leave and exits at the next commit; the survivors keep their
+processes and their state). Worker: `worker.py`, started warm (`worker_runtime/prewarm.py`). A
+commit: the state kept in memory (the rollback point), a node-local snapshot at most every 10 s
+(a full restart's state) and the checkpoint when due, about every `commit_target_s` seconds of work.
 """
 
 from __future__ import annotations

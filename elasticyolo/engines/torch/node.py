@@ -1,26 +1,20 @@
-"""The torch elastic engine on one node (agent side; no torch): while the node is TRAINING the
-job, keep one launcher process running (`launcher.py`: torch's `LocalElasticAgent` for this
-node's slots on the etcd3 rendezvous); stop it on cancel, drain and agent stop.
+"""The torch engine on one node (agent side; no torch): while the node is TRAINING the job, keep
+one launcher process running (`launcher.py`: this node's workers, warm, one per slot); stop it on
+cancel, drain and agent stop. On the leader, also run the world coordinator (`coordinator.py`),
+which publishes every new world the workers re-form into.
 
-Why a child process rather than `LocalElasticAgent` on a thread of the agent:
-* the agent stays torch-free (fast start, small memory);
-* torch's agent handles SIGTERM only on a main thread: in its own process, stopping it is its
-  own tested path (workers get SIGTERM, the rendezvous stays open for the other nodes), with no
-  way to wedge a thread that is blocked in a rendezvous;
-* a crash of torch's agent cannot take the node daemon (lease, spot notices) down with it.
+Why a child process rather than threads of the agent: the agent stays torch-free (fast start,
+small memory; the launcher forks the workers' zygote after importing torch once), and a crash of
+the launcher cannot take the node daemon (lease, spot notices) down with it.
 Kill chain: the launcher is a `SupervisedProcess` (forked and waited on by its own thread) that
-dies with the agent (`worker_runtime/lifeline.py`), and its workers die with it the same way, so SIGKILL
-of the agent kills launcher and workers. A stop that does not finish in `stop_grace_s` (in a drain: by
-the drain's kill lead before its deadline) gets SIGKILL on the launcher's process group
-(workers follow through PDEATHSIG).
+dies with the agent (`worker_runtime/lifeline.py`), and its workers die with it the same way, so
+SIGKILL of the agent kills launcher and workers. A stop that does not finish in `stop_grace_s`
+(in a drain: by the drain's kill lead before its deadline) gets SIGKILL on the launcher's process
+group (workers follow through PDEATHSIG).
 
-The rendezvous run id is `<job>-<spec mod revision>`: every node derives the same id from etcd,
-and a new submission (a new spec revision) gets a fresh rendezvous. Drain plan: stop (torch
-elastic restarts the world on any change; the survivors restore the newest snapshot).
-
-torch's agent restarts failing workers up to `max_restarts` times and never ends the job: the
-leader fails it when every node's workers crash in a loop (`engines/crash_loop.py`, applied by
-`crash_loop_watch.py`), with the workers' reason.
+The launcher restarts a failed worker and never ends the job: the leader fails it when every
+node's workers crash in a loop (`engines/crash_loop.py`, applied by `crash_loop_watch.py`), with
+the workers' reason.
 """
 
 from __future__ import annotations
@@ -39,7 +33,8 @@ from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.engines.crash_loop_watch import CrashLoopWatch
 from elasticyolo.engines.node import EngineNode
-from elasticyolo.engines.torch.launcher import EXIT_CLOSED, LaunchSettings
+from elasticyolo.engines.torch.coordinator import WorldCoordinator
+from elasticyolo.engines.torch.launcher import LaunchSettings
 from elasticyolo.log import get_logger
 from elasticyolo.worker_runtime.spawn import SupervisedProcess
 from elasticyolo.worker_runtime.worker_env import WorkerEnv, node_work_dir
@@ -51,25 +46,6 @@ if TYPE_CHECKING:
     from elasticyolo.engines.base import Engine
 
 log = get_logger("elasticyolo.torch.agent")
-
-ENV_RDZV_CONF = "ELASTICYOLO_TORCH_RDZV_CONF"  # `--rdzv-conf` syntax, e.g. last_call_timeout=1,...
-ENV_MONITOR_INTERVAL = "ELASTICYOLO_TORCH_MONITOR_INTERVAL"
-
-
-def parse_conf(text: str) -> dict[str, Any]:
-    """`k=v,k=v` (torchrun's --rdzv-conf syntax) with numbers converted."""
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        try:
-            out[key.strip()] = int(value)
-        except ValueError:
-            try:
-                out[key.strip()] = float(value)
-            except ValueError:
-                out[key.strip()] = value.strip()
-    return out
-
 
 class LauncherProcess(SupervisedProcess):
     """The node's launcher for one submission (`generation`)."""
@@ -90,10 +66,7 @@ class TorchNode(EngineNode):
         self.cfg = agent.cfg
         self.stop_grace_s = stop_grace_s
         self.retry_s = retry_s
-        self.rdzv_conf = parse_conf(os.environ.get(ENV_RDZV_CONF, ""))
-        # torch's (and torchrun's) default: a check costs no etcd read unless the state changed
-        # (membership.py's watch), and a worker that dies is noticed within it.
-        self.monitor_interval = float(os.environ.get(ENV_MONITOR_INTERVAL, "0.1"))
+        self.coordinator: WorldCoordinator | None = None
         self._proc: LauncherProcess | None = None
         self._stopping: list[LauncherProcess] = []
         self._finished: set[int] = set()
@@ -126,7 +99,11 @@ class TorchNode(EngineNode):
             self._reconcile(agent)
         self.crash_loop.check(agent)
 
+    def release(self, reason: str) -> None:
+        self._stop_coordinator(reason)
+
     def on_stop(self, agent: NodeAPI) -> None:
+        self._stop_coordinator("agent stopping")
         self._stop_current("agent stopping")
         deadline = time.monotonic() + self.stop_grace_s
         for lp in list(self._stopping):
@@ -162,7 +139,29 @@ class TorchNode(EngineNode):
             return None
         return job.generation
 
+    def _coordinate(self, agent: NodeAPI) -> None:
+        """The leader runs the coordinator of the active submission; no other node does."""
+        job = agent.job
+        gen = job.generation if agent.is_leader and job.active and job.spec is not None else None
+        current = self.coordinator
+        if current is not None and current.generation != gen:
+            self._stop_coordinator("leadership or submission changed")
+        if gen is not None and self.coordinator is None:
+            spec = job.spec
+            assert spec is not None
+            self.coordinator = WorldCoordinator(agent, gen, min_nodes=spec.min_nodes,
+                                                max_nodes=spec.max_nodes or (1 << 20),
+                                                record_grace_s=max(agent.election.reclaim_grace_s, 2.0 * self.cfg.ttl))
+            self.coordinator.start()
+
+    def _stop_coordinator(self, reason: str) -> None:
+        c, self.coordinator = self.coordinator, None
+        if c is not None:
+            log.info("stopping the torch world coordinator", reason=reason)
+            c.stop()
+
     def _reconcile(self, agent: NodeAPI) -> None:
+        self._coordinate(agent)
         self._reap()
         if self._work is not None:
             self.errors.publish_pending(*self._work)
@@ -181,12 +180,11 @@ class TorchNode(EngineNode):
 
     def _finished_run(self, agent: NodeAPI, lp: LauncherProcess) -> None:
         rc = lp.returncode
-        if rc == 0 or rc == EXIT_CLOSED:
+        if rc == 0:
             log.info("torch job finished on this node", generation=lp.generation, rc=rc)
             self._finished.add(lp.generation)
             self._failures = 0
-            if rc == 0:
-                self._mark_done(agent, lp.generation)
+            self._mark_done(agent, lp.generation)
             return
         self._failures += 1
         delay = min(self.retry_s[0] * 2 ** (self._failures - 1), self.retry_s[1])
@@ -226,13 +224,7 @@ class TorchNode(EngineNode):
         cfg = self.cfg
         work_dir = node_work_dir(cfg.work_dir, cfg.job, cfg.node_id, generation)
         self._work = (work_dir, generation)
-        settings = LaunchSettings(
-            run_id=f"{cfg.job}-{generation}", endpoints=",".join(cfg.etcd),
-            key_prefix=agent.keys.rdzv.rstrip("/"), min_nodes=spec.min_nodes,
-            max_nodes=spec.max_nodes or max(spec.min_nodes, 1024), nproc_per_node=cfg.slots,
-            local_addr=cfg.addr, max_restarts=spec.reset_limit or 1000,
-            monitor_interval=self.monitor_interval, rdzv_conf=self.rdzv_conf,
-        )
+        settings = LaunchSettings(slots=cfg.slots)
         env = WorkerEnv(etcd=EtcdSettings.from_config(cfg), job=cfg.job, node_id=cfg.node_id,
                         spec_json=spec.to_json(), generation=generation, worker_dir=str(work_dir),
                         engine_config=settings.to_json())
@@ -244,5 +236,4 @@ class TorchNode(EngineNode):
             self._retry_at = time.monotonic() + self.retry_s[1]
             log.error("could not start the torch launcher", error=str(exc))
             return
-        log.info("torch launcher started", pid=self._proc.pid, run_id=settings.run_id, slots=cfg.slots,
-                 min_nodes=settings.min_nodes, max_nodes=settings.max_nodes)
+        log.info("torch launcher started", pid=self._proc.pid, generation=generation, slots=cfg.slots)

@@ -1,29 +1,38 @@
-"""A torch elastic training worker: the shared training loop on a torch.distributed process group.
+"""A torch engine training worker: the shared training loop on a process group that the survivors
+re-form in place across world changes.
 
-Started by torch's `LocalElasticAgent` (see `launcher.py`) as `elasticyolo worker` (dies with
-its launcher), or handed the round's environment as a warm process (`warm.py`). torch elastic
-restarts the whole world on every membership change, so each start is a resume:
+Started by its node's launcher (`launcher.py`), warm (`worker_runtime/prewarm.py`). One process
+lives through every world it takes part in:
 
-1. init the process group (gloo on CPU, NCCL on GPU) from torch elastic's env;
-2. the newest state in the world: every node's local snapshot and the checkpoint store's latest
-   (`train/snapshots.py` `restore_newest`, over `TorchCollectives`);
-3. `core.set_world(world, rank)` applies the rescaling policy (LR ramp from the saved progress);
-4. train (`worker_runtime/runner.py`, with `TorchWorld` as the engine's part); a commit
-   (`worker_runtime/commit.py`) = local snapshot (local rank 0 of every node, every
-   commit) + the ranks agree whether one was asked to stop (SIGTERM: the round ends at that
-   commit, `stop_at_commit.py`; a request also rides on the next gradient all-reduce and makes
-   that step a commit) + store checkpoint when due (rank 0). A failure restarts the world.
+1. it joins the process-group store of its submission once, under a rank no other process of the
+   job ever had (its incarnation), with torch's Gloo reconfiguration enabled (NCCL on a GPU), and
+   publishes its member record with its reconfiguration handle (`world_watch.py`);
+2. it waits for a world that lists it (the leader's `coordinator.py`), enters it with
+   `dist._reconfigure` (the new communicator among exactly those handles: tens of ms), and the
+   ranks agree on the state: every rank's last commit held in memory; the newest travels to any
+   rank that has an older one or none (a joiner), and a world where nobody has one restores the
+   newest snapshot or checkpoint (`runner.restore`: a fresh job, a full restart);
+3. it trains (`worker_runtime/runner.py`) with `InPlaceCommit`: a commit keeps the state in memory
+   as the rollback point, and the ranks agree on one integer: whether a newer world is out or a
+   rank asked to leave. Every rank then leaves the world at that same commit: the survivors enter
+   the next world with exactly the committed state, and the running world loses no step;
+4. a failed collective (a peer died, or was aborted because the coordinator lost it: frozen
+   node) rolls the survivors back to their last commit and they enter the next world; the work
+   since that commit is redone once, so every sample of an epoch is trained once (counting
+   committed work);
+5. SIGTERM (its node drains or the job stops) asks to leave: the record says so, the coordinator
+   publishes a world without it, and it exits at the next commit.
 
-Gradients: the core calls `grad_allreduce(grads)` once per optimizer step; we flatten them into
-one buffer and all-reduce it (sum / world = mean), which is DDP's math. Not the `DDP` wrapper
-itself: the core owns accumulation, ranks with an empty last shard that skip forward/backward
-(DDP would hang waiting for their buckets), AMP unscale after the reduce and clipping; DDP's
-only extra, overlapping bucket reduces with backward, buys little for a 3-25 M parameter model.
+Gradients: one all-reduce of a flat buffer per optimizer step (DDP's math; see `make_allreduce`),
+with one more element: a rank that has seen a newer world or asked to leave sets it, and that step
+becomes a commit on every rank (`commit_now`), so a change waits one step, not a commit interval.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,42 +43,70 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from elasticyolo.engines.torch.stop_at_commit import StopAtCommit, torch_reduce
+from elasticyolo.engines.torch.rendezvous import EtcdStore
+from elasticyolo.engines.torch.world_plan import World
+from elasticyolo.engines.torch.world_watch import WorldWatch
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.checkpointing import open_checked_store
 from elasticyolo.train.core import TrainCore
 from elasticyolo.train.loop import ProgressSink, Summary
-from elasticyolo.train.snapshots import finish_snapshot_on_sigterm
+from elasticyolo.train.snapshots import finish_snapshot_on_sigterm, send_state
+from elasticyolo.train.state import clone_state, core_state, load_core_state, state_step
 from elasticyolo.worker_runtime import worker_errors
+from elasticyolo.worker_runtime.collective_abort import CollectiveAborter
 from elasticyolo.worker_runtime.commit import EngineCommit
 from elasticyolo.worker_runtime.progress import EtcdProgress
 from elasticyolo.worker_runtime.runner import WorkerRunner, WorkerWorld
 
 log = get_logger("elasticyolo.torch.worker")
 
-SNAPSHOT_PERIOD_S = 0.0  # every commit: the snapshot is how a restarted world resumes
+SNAPSHOT_PERIOD_S = 10.0  # node-local snapshots (a full restart's state) at most this often
+ENTER_TIMEOUT_S = 60.0  # entering a world waits this long for its other members at most
+LEAVE_WAIT_S = 2.5  # a rank asked to leave exits by itself after this long if no commit came
+ENV_SLOT = "LOCAL_RANK"
+ENV_SLOTS = "LOCAL_WORLD_SIZE"
+
+
+class CollectiveFailed(Exception):
+    """A collective of the current world failed (a peer is gone, or the world was aborted)."""
+
+
+class WorldChanged(Exception):
+    """The ranks agreed at a commit to leave this world (`leaving`: this rank leaves the job)."""
+
+    def __init__(self, leaving: bool) -> None:
+        super().__init__("world changed")
+        self.leaving = leaving
+
+
+def guarded(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError is one)
+        raise CollectiveFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
 
 
 # ---- gradients -------------------------------------------------------------------------------
-def make_allreduce(world: int, fp16: bool = False,
-                   stop: StopAtCommit | None = None) -> Callable[[list[torch.Tensor]], None]:
-    """Average gradients in place across the world with one all-reduce on a flat buffer.
-    `stop`: its request flag rides in the same buffer (one element: no extra collective)."""
+def make_allreduce(world: int, fp16: bool, flag: Callable[[], int],
+                   on_flag: Callable[[int], None]) -> Callable[[list[torch.Tensor]], None]:
+    """Average gradients in place across the world with one all-reduce on a flat buffer; the last
+    element carries `flag()` of every rank (summed), handed to `on_flag`."""
 
     def allreduce(grads: list[torch.Tensor]) -> None:
         if world == 1 or not grads:
+            on_flag(flag())
             return
-        flat = _flatten_dense_tensors(grads + ([stop.outgoing(grads[0])] if stop is not None else []))
+        marker = torch.full((1,), float(flag()), dtype=grads[0].dtype, device=grads[0].device)
+        flat = _flatten_dense_tensors(grads + [marker])
         buf = flat.half() if fp16 and flat.is_cuda else flat
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM)  # gloo has no AVG
+        guarded(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))  # gloo has no AVG
         if buf is not flat:
             flat.copy_(buf)
-        if stop is not None:
-            stop.incoming(flat[-1:])
+        on_flag(int(flat[-1].item() > 0.5))
         flat.div_(world)
-        for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):  # (the flag, last, is left out)
+        for g, r in zip(grads, _unflatten_dense_tensors(flat[:-1], grads)):
             g.copy_(r)
 
     return allreduce
@@ -77,31 +114,26 @@ def make_allreduce(world: int, fp16: bool = False,
 
 # ---- collectives -----------------------------------------------------------------------------
 class TorchCollectives:
-    """`train.collectives.Collectives` over the default process group."""
+    """`train.collectives.Collectives` over the default process group; a failure raises
+    `CollectiveFailed`."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device  # NCCL needs CUDA tensors; gloo takes CPU ones
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
+        self.rank, self.size = 0, 1
 
     def allgather_object(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj)
+        guarded(lambda: dist.all_gather_object(out, obj))
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
+        guarded(lambda: dist.broadcast_object_list(box, src=src,
+                                                   device=self.device if self.device.type == "cuda" else None))
         return box[0]
 
     def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
@@ -116,28 +148,55 @@ class TorchCollectives:
             size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
         else:
             size = torch.zeros(1, dtype=torch.int64, device=dev)
-        dist.broadcast(size, src)
+        guarded(lambda: dist.broadcast(size, src))
         if self.rank != src:
             payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-        dist.broadcast(payload, src)
+        guarded(lambda: dist.broadcast(payload, src))
         return data if self.rank == src and data is not None else payload.cpu().numpy().tobytes()
 
+    def max_int(self, value: int) -> int:
+        if self.size == 1:
+            return value
+        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.int64, device=dev)
+        guarded(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+        return int(t.item())
 
-# ---- entry point -----------------------------------------------------------------------------
-def init_process_group(spec: TrainSpec) -> None:
-    if not all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        raise UserError("engine=torch workers are started by torch elastic (the agents, or torchrun): "
-                        "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are not set")
-    backend = "nccl" if torch.cuda.is_available() and spec.device not in ("cpu",) else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    worker_errors.joined_world()  # from here on, a failure may be a peer's doing (engines/crash_loop.py)
-    dist.init_process_group(backend, timeout=timedelta(seconds=spec.gloo_timeout_s))
+
+# ---- the commit --------------------------------------------------------------------------------
+class InPlaceCommit(EngineCommit):
+    """Keeps the committed state in memory (the rollback point) and makes the ranks leave the
+    world together at a commit when one of them saw a newer world or asked to leave."""
+
+    def __init__(self, world: "TorchWorld", core: TrainCore) -> None:
+        self.world, self.core = world, core
+        self._change_seen = False  # a step's all-reduce carried a rank's flag: commit now
+
+    def flag(self) -> int:
+        return int(self.world.wants_change())
+
+    def on_flag(self, value: int) -> None:
+        self._change_seen = self._change_seen or bool(value)
+
+    def commit_now(self) -> bool:
+        return self._change_seen
+
+    def save(self) -> None:
+        self.world.saved = core_state(self.core)
+
+    def agree(self) -> None:
+        # After the snapshot (a peer dying here costs no node its snapshot of this commit), before
+        # rank 0's checkpoint (which would hold every peer at this collective for its copy).
+        self._change_seen = bool(self.world.collectives.max_int(self.flag()))
+
+    def check(self) -> None:
+        if self._change_seen:
+            raise WorldChanged(self.world.leave_requested.is_set())
 
 
 @dataclass
 class PreparedWorker:
-    """What a warm process (`worker_runtime/prewarm.py`) builds before it is handed a round."""
+    """What a warm process (`worker_runtime/prewarm.py`) builds before it is handed its slot."""
 
     core: TrainCore
     store: Any  # the checkpoint store, opened and checked (None: the job has none)
@@ -149,17 +208,21 @@ def prepare_worker(spec: TrainSpec, core: TrainCore) -> PreparedWorker:
 
 
 class TorchWorld(WorkerWorld):
-    """torch elastic's part of a worker (`worker_runtime/runner.py`): the process group, its
-    collectives, the stop agreement at a commit (`StopAtCommit`), and one world per process
-    (torch elastic restarts the world on any change, so every start restores the newest state)."""
+    """The torch engine's part of a worker (`worker_runtime/runner.py`)."""
 
     snapshot_period_s = SNAPSHOT_PERIOD_S
     close_timeout_s = 30.0
 
     def __init__(self, spec: TrainSpec, prepared: PreparedWorker | None) -> None:
         self.spec, self.prepared = spec, prepared
-        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._local_rank = int(os.environ.get(ENV_SLOT, "0"))
         self._collectives: TorchCollectives | None = None
+        self.saved: dict[str, Any] | None = None  # the last commit's state (the rollback point)
+        self.uuid = 0  # the world this process is in (0: none)
+        self.leave_requested = threading.Event()
+        self.left = threading.Event()
+        self.aborter = CollectiveAborter()
+        self.watch: WorldWatch | None = None
 
     @property
     def collectives(self) -> TorchCollectives:
@@ -173,54 +236,179 @@ class TorchWorld(WorkerWorld):
     def run_root(self, core: TrainCore) -> Path:
         return Path(core.work_dir).parent  # the worker directory (the core's is `run/` inside it)
 
+    def wants_change(self) -> bool:
+        return self.leave_requested.is_set() or (self.watch is not None and self.watch.latest_uuid() > self.uuid)
+
+    # ---- joining the job -------------------------------------------------------------------------
     def join(self, runner: WorkerRunner) -> TrainCore:
-        init_process_group(self.spec)
-        rank, world = dist.get_rank(), dist.get_world_size()
+        env = runner.env
+        connected = env.etcd_client(timeout=10.0)
+        if connected is None or env.generation is None or env.node_id is None:
+            raise UserError("engine=torch workers are started by an elasticyolo agent: the job, node and "
+                            "etcd are not in the environment")
+        client, keys = connected
+        store = EtcdStore(client, keys.torch_store(env.generation), timeout=timedelta(seconds=ENTER_TIMEOUT_S))
+        incarnation = store.add("incarnation", 1)
+        backend = "nccl" if torch.cuda.is_available() and self.spec.device not in ("cpu",) else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+        dist.init_process_group(backend, store=store, rank=incarnation, world_size=1 << 20,
+                                timeout=timedelta(seconds=self.spec.gloo_timeout_s), enable_reconfigure=True)
+        self.store = store
+        self.watch = WorldWatch(client, keys, env.generation, env.node_id, self.local_rank, incarnation)
+        self.watch.on_world = self._on_world
+        self.watch.start()
         if self.prepared is None:
-            size = os.environ.get("LOCAL_WORLD_SIZE", "")
-            core = TrainCore(self.spec, rank=rank, world=world, local_rank=self.local_rank, work_dir=runner.env.run_dir,
+            size = os.environ.get(ENV_SLOTS, "")
+            core = TrainCore(self.spec, rank=0, world=1, local_rank=self.local_rank, work_dir=runner.env.run_dir,
                              local_size=int(size) if size.isdigit() else None)
         else:
             core = self.prepared.core
             runner.store = self.prepared.store
-            core.progress.world = 0  # built for world 1: the first set_world is not a resize
-            core.set_world(world, rank)
+        core.progress.world = 0  # the first world's set_world is not a resize
         self._collectives = TorchCollectives(core.device)
+        self._install_sigterm(runner)
+        self.watch.register(dist._get_reconfigure_handle())
+        log.info("torch worker registered", member=self.watch.member)
         return core
 
-    def run(self, runner: WorkerRunner) -> Summary:
-        core, env = runner.core, runner.env
-        stop = None
-        if env.snapshot_dir is not None:
-            stop = StopAtCommit(core, torch_reduce(core.device), runner.snapshots, world=core.world)
-            finish_snapshot_on_sigterm(runner.snapshots, stop_at_commit=stop.request)
-        core.grad_allreduce = make_allreduce(core.world, self.spec.fp16_allreduce, stop)  # before the first step
-        restored = runner.restore()
-        runner.report_resume(restored)
-        return runner.session(stop or EngineCommit(), resume={
-            "source": restored.source, "src_rank": restored.src_rank, "node": env.node_id,
-            "local_rank": self.local_rank, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "proc_start": _proc_start(), "run_start": runner.started_at}, source=restored.source)
+    def _install_sigterm(self, runner: WorkerRunner) -> None:
+        def on_sigterm() -> bool:
+            if self.leave_requested.is_set():
+                return True
+            self.leave_requested.set()
+            assert self.watch is not None
+            self.watch.leave()
+            self.watch.poke()
 
+            def deadline() -> None:  # no commit came in time (a peer hangs): leave anyway
+                if not self.left.wait(LEAVE_WAIT_S):
+                    runner.snapshots.flush(5.0)
+                    os._exit(143)
 
-def _proc_start() -> float | None:
-    """When this process was created (unix seconds), to split recovery time into phases."""
-    try:
-        import psutil
+            threading.Thread(target=deadline, name="leave-deadline", daemon=True).start()
+            return True
 
-        return float(psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - diagnostics only
+        self._sigterm = on_sigterm
+
+    def _on_world(self, world: World) -> None:
+        """A newer world is out: if it lost a member of ours (a frozen or dead node), abort the
+        collective we may be blocked in, so we enter it now rather than at Gloo's timeout."""
+        if world.abort and self.uuid and self.watch is not None and self.watch.member in world.members:
+            n = self.aborter.abort()
+            log.info("aborting the world's collective", uuid=self.uuid, next=world.uuid, connections=n)
+
+    # ---- the worlds ------------------------------------------------------------------------------
+    def run(self, runner: WorkerRunner) -> Summary | None:
+        assert self.watch is not None
+        finish_snapshot_on_sigterm(runner.snapshots, stop_at_commit=self._sigterm)
+        watch, core = self.watch, runner.core
+        worker_errors.joined_world()  # from here on, a failure may be a peer's doing (engines/crash_loop.py)
+        first = True
+        while True:
+            if self.leave_requested.is_set():
+                return self._leave(runner)
+            world = watch.wait(lambda w: self.leave_requested.is_set()
+                               or (w is not None and w.uuid > self.uuid and watch.member in w.members))
+            if self.leave_requested.is_set() or world is None:
+                continue
+            before = core.progress.step
+            if not self._enter(world):
+                continue
+            try:
+                restored = self._agree_state(runner)
+                if core.rank == 0 and runner.progress is not None:
+                    lost = None if first else max(0, before - core.progress.step)
+                    runner.progress.resume(core.progress.step, core.world, lost,
+                                           "start" if first else "reform", source=restored)
+                first = False
+                commit = InPlaceCommit(self, core)
+                core.grad_allreduce = make_allreduce(core.world, self.spec.fp16_allreduce, commit.flag, commit.on_flag)
+                return runner.session(commit, resume={"source": restored, "uuid": world.uuid,
+                                                      "node": runner.env.node_id, "local_rank": self.local_rank,
+                                                      "pid": os.getpid()}, source=restored, uuid=world.uuid)
+            except WorldChanged as change:
+                if change.leaving:
+                    return self._leave(runner)
+                log.info("leaving the world at a commit", uuid=self.uuid, step=core.progress.step)
+            except CollectiveFailed as exc:
+                watch.failed(self.uuid)
+                runner.trace.write("failed", rank=core.rank, world=core.world, step=core.progress.step, uuid=self.uuid)
+                log.info("collective failed; re-forming", uuid=self.uuid, step=core.progress.step, error=str(exc))
+            self.aborter.left()
+
+    def _enter(self, world: World) -> bool:
+        assert self.watch is not None
+        watch = self.watch
+        t0 = time.perf_counter()
+        self.aborter.left()
+        self.store.abort_check = lambda _key: ("a newer world is out" if watch.latest_uuid() > world.uuid else None)
+        try:
+            guarded(lambda: dist._reconfigure(uuid=world.uuid, handles=list(world.handles),
+                                              timeout=timedelta(seconds=ENTER_TIMEOUT_S)).wait())
+        except (CollectiveFailed, LookupError) as exc:
+            log.info("could not enter the world", uuid=world.uuid, error=str(exc).splitlines()[0])
+            watch.entered(world.uuid, False, dist._get_reconfigure_handle())
+            return False
+        finally:
+            self.store.abort_check = None
+        self.uuid = world.uuid
+        self.aborter.joined()
+        watch.entered(world.uuid, True, dist._get_reconfigure_handle())
+        rank, size = world.members.index(watch.member), world.size
+        self.collectives.rank, self.collectives.size = rank, size
+        log.info("entered world", uuid=world.uuid, rank=rank, world_size=size,
+                 seconds=round(time.perf_counter() - t0, 3), reason=world.reason)
+        return True
+
+    def _agree_state(self, runner: WorkerRunner) -> str:
+        """Every rank at the newest committed state; returns where this rank's came from."""
+        core, coll = runner.core, self.collectives
+        core.set_world(coll.size, coll.rank)
+        saved = self.saved
+        steps = [int(s) for s in coll.allgather_object(state_step(saved) if saved is not None else -1)]
+        best = max(steps)
+        if best < 0:  # nobody holds a state: a fresh job or a full restart
+            restored = runner.restore()
+            self.saved = core_state(core)
+            return restored.source
+        src = steps.index(best)
+        if all(s == best for s in steps):
+            assert saved is not None
+            load_core_state(core, clone_state(saved))  # training writes into what it loads
+            source = "memory"
+        else:
+            state = send_state(saved if coll.rank == src else None, src, coll)
+            if steps[coll.rank] == best:
+                assert saved is not None
+                load_core_state(core, clone_state(saved))
+                source = "memory"
+            else:
+                load_core_state(core, state)
+                self.saved = clone_state(state)
+                source = "peer"
+        core.set_world(coll.size, coll.rank)
+        return source
+
+    def _leave(self, runner: WorkerRunner) -> None:
+        assert self.watch is not None
+        core = runner.core
+        runner.trace.write("left", rank=core.rank, step=core.progress.step)
+        log.info("left the job", step=core.progress.step, uuid=self.uuid)
+        self.watch.leave()
+        runner.snapshots.flush(5.0)
+        self.left.set()
         return None
 
 
 def main(spec: TrainSpec, *, commit_target_s: float, sinks: list[ProgressSink] | None = None,
          progress: EtcdProgress | None = None, prepared: PreparedWorker | None = None) -> int:
     """The worker entry point (`elasticyolo worker` through the engine registry).
-    `prepared`: by a warm process before the round, else everything is built here."""
+    `prepared`: by a warm process before its slot was handed over, else everything is built here."""
+    world = TorchWorld(spec, prepared)
     try:
-        WorkerRunner(spec, TorchWorld(spec, prepared), commit_target_s=commit_target_s, sinks=sinks,
-                     progress=progress).run()
+        WorkerRunner(spec, world, commit_target_s=commit_target_s, sinks=sinks, progress=progress).run()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        if world.watch is not None:
+            world.watch.stop()
+    os._exit(0)  # a process group abandoned mid-collective must not hold the exit
