@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import importlib.util
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, Iterable
-
-if TYPE_CHECKING:
-    from elasticyolo.engines.base import Engine
+from typing import Callable, Iterable, Protocol
 
 # The node record field where an agent says why it does not run the job's engine (status shows it).
 RECORD_FIELD = "refused"
+
+
+class Requiring(Protocol):
+    """The parts of an engine (`engines/base.py`) this module reads."""
+
+    name: str
+    requires: tuple[str, ...]
+    install_hint: str
 
 
 @lru_cache(maxsize=None)
@@ -39,6 +44,6 @@ def refusal(engine_name: str, missing: Iterable[str], install_hint: str) -> str 
     return f"engine {engine_name} is not installed here{hint}"
 
 
-def engine_refusal(engine: "Engine", installed: Callable[[str], bool] = module_installed) -> str | None:
+def engine_refusal(engine: Requiring, installed: Callable[[str], bool] = module_installed) -> str | None:
     """Why this node cannot run `engine`'s workers, or None when everything it requires is here."""
     return refusal(engine.name, [m for m in engine.requires if not installed(m)], engine.install_hint)
