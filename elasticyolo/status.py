@@ -15,6 +15,7 @@ from typing import Any
 from elasticyolo import cost
 from elasticyolo.cluster.etcd import EtcdClient, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.engines.installed import RECORD_FIELD as REFUSED_FIELD
 from elasticyolo.worker_runtime.worker_errors import current_errors
 
 _SINGLE_KEYS = ("leader", "spec", "state", "world", "progress", "checkpoint_latest")
@@ -122,6 +123,7 @@ def collect(client: EtcdClient, keys: JobKeys, lease_ttls: bool | None = None) -
             "zone": rec.get("zone"),
             "agent_version": rec.get("agent_version"),
             "data": rec.get("data"),  # s3:// dataset staging (agent/staging.py)
+            "refused": rec.get(REFUSED_FIELD),  # why it does not run the job's engine (engines/installed.py)
         })
     if lease_ttls is None:
         lease_ttls = len(leases) <= AUTO_LEASE_TTL_MAX_NODES
@@ -322,6 +324,11 @@ NODE_COLUMNS = ("NODE", "STATE", "SLOTS", "RANKS", "LEADER", "LEASE", "AGE", "NO
                 "PREEMPTIBLE")
 
 
+def refusal_lines(view: dict[str, Any]) -> list[str]:
+    """`node n2: engine horovod is not installed here (...)` for each node that refuses the job."""
+    return [f"node {n['id']}: {n['refused']}" for n in view["nodes"] if n.get("refused")]
+
+
 def node_columns(view: dict[str, Any]) -> tuple[str, ...]:
     """The node table's columns: DATA only while some node stages an s3:// dataset."""
     return NODE_COLUMNS + (("DATA",) if any(n.get("data") for n in view["nodes"]) else ())
@@ -396,6 +403,9 @@ def render_table(view: dict[str, Any], *, color: bool = False, width: int | None
                           force_terminal=color, highlight=False, soft_wrap=False)
         console.print(table)
         lines += [line.rstrip() for line in out.getvalue().rstrip("\n").splitlines()]
+    refusals = refusal_lines(view)
+    if refusals:
+        lines += ["", "NODES REFUSING THE JOB"] + ["  " + line for line in refusals]
     if view.get("worker_errors"):
         lines += ["", "WORKER ERRORS (the latest of each node)"] + \
             ["  " + worker_error_text(e) for e in view["worker_errors"]]

@@ -53,7 +53,9 @@ fi
 log "installing elasticyolo and its dependencies"
 "$PY" -m pip install -q -e ".[train,test]"
 
-# 3. Horovod: build once per (horovod, torch, cpu|gpu), cache the wheel, reuse it.
+# 3. Horovod (the [horovod] extra; the tests run both engines): build once per (horovod, torch,
+#    cpu|gpu), cache the wheel, reuse it. pip takes the extra's Horovod from that wheel, never from
+#    PyPI's sdist (it does not build against torch 2.14 unpatched).
 flavor=cpu
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ -n "${CUDA_HOME:-}" ]; then flavor=nccl; fi
 # The build number counts our patches (scripts/build_horovod.sh): a new one rebuilds and reinstalls.
@@ -70,7 +72,7 @@ if ! "$PY" -c "import horovod.torch" 2>/dev/null || [ ! -e "$VENV/.$key" ]; then
   fi
   log "installing Horovod from $WHEEL_CACHE/$key"
   "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL_CACHE/$key"/horovod-*.whl
-  "$PY" -m pip install -q cloudpickle psutil pyyaml cffi packaging
+  "$PY" -m pip install -q --only-binary=horovod --find-links "$WHEEL_CACHE/$key" -e ".[train,test,horovod]"
   touch "$VENV/.$key"
 fi
 build_info=$("$VENV/bin/horovodrun" --check-build)

@@ -128,7 +128,8 @@ LAYERS: list[set[str]] = [
      "weights_file", "run_layout", "cost", "train.layout"},
     {"checkpoint.stores"},  # object stores: s3://, file://
     {"staging"},  # s3:// datasets and weights staged into a node cache
-    {"models", "spec", "engines.names"},  # what a job is: the spec, its weights, its engine's name
+    # what a job is: the spec, its weights, its engine's name; whether a node has that engine installed
+    {"models", "spec", "engines.names", "engines.installed"},
     {"cluster", "spot"},  # etcd (keys, jobs, nodes, election, liveness) and the clouds' interruption notices
     {"checkpoint"},  # checkpoints: format, manager, restore, catalog
     {"config", "worker_runtime.worker_env"},  # the agent's configuration and the workers' environment

@@ -5,7 +5,7 @@
 #      credentials), without ever printing them;
 #   2. describe the VM it runs on to the agent (address, instance type, zone, spot or not) in agent.env;
 #   3. install elasticyolo from its wheel into /opt/elasticyolo/.venv (below: no repository, no
-#      test tools; Horovod only when this node's jobs use engine=horovod);
+#      test tools; the [horovod] extra only when this node's jobs use engine=horovod);
 #   4. create the NVIDIA device nodes (the sandboxed unit cannot run the setuid nvidia-modprobe);
 #   5. install and start the hardened unit (shipped in the wheel).
 #
@@ -20,9 +20,10 @@
 #   ELASTICYOLO_PYTHON   the image's interpreter the venv is made from (/usr/bin/python3)
 #   ELASTICYOLO_EXTRAS   the wheel's extras (train; empty: the agent and the CLI only)
 #   ELASTICYOLO_ENGINES  the engines this node's jobs use, comma-separated (torch); horovod adds
-#                        Horovod: HOROVOD_WHEEL (a path or URI of a wheel built for this image's
-#                        torch and CUDA) when set, else built here from the patched PyPI sdist
-#                        (several minutes, compilers and CMake)
+#                        the [horovod] extra, its Horovod from HOROVOD_WHEEL (a path or URI of a
+#                        wheel built for this image's torch and CUDA) when set, else built here from
+#                        the patched PyPI sdist (several minutes, compilers and CMake). Without it
+#                        the node trains engine=torch jobs and its agent refuses engine=horovod ones.
 # The default engine installs from wheels only (pip --only-binary=:all:): nothing compiles.
 set -euo pipefail
 MODE=${1:?usage: bootstrap.sh aws|gcp|install WHEEL}
@@ -57,8 +58,8 @@ apt_install() {  # PACKAGE...: what the image lacks, from its distribution
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-install_horovod() {  # PY WORKDIR
-  local py=$1 work=$2 wheel
+install_horovod() {  # PY WORKDIR SPEC: the [horovod] extra of SPEC (the wheel and its extras)
+  local py=$1 work=$2 spec=$3 wheel
   if [ -n "${HOROVOD_WHEEL:-}" ]; then
     wheel=$(fetch "$HOROVOD_WHEEL" "$work")
   else
@@ -75,7 +76,8 @@ install_horovod() {  # PY WORKDIR
     PATH="$VENV/bin:$PATH" bash "$VENV/share/elasticyolo/build_horovod.sh" "$py" "$work/horovod"
     wheel=$(ls "$work"/horovod/horovod-*.whl)
   fi
-  "$py" -m pip install --quiet --only-binary=:all: "$wheel"
+  # The extra pins Horovod's version; pip takes it from this wheel (PyPI has only the sdist).
+  "$py" -m pip install --quiet --only-binary=:all: --find-links "${wheel%/*}" "$spec"
   "$VENV/bin/horovodrun" --check-build | grep -q '\[X\] PyTorch' || { log "Horovod was built without PyTorch"; exit 1; }
 }
 
@@ -97,7 +99,7 @@ install_node() {  # WHEEL
   log "installing ${wheel##*/}${extras:+ [$extras]} into $VENV"
   "$py" -m pip install --quiet --only-binary=:all: "$spec"
   case ",$engines," in
-    *,horovod,*) install_horovod "$py" "$work" ;;
+    *,horovod,*) install_horovod "$py" "$work" "${wheel}[${extras:+$extras,}horovod]" ;;
   esac
   "$VENV/bin/elasticyolo" --version >&2
   if [ -n "$extras" ]; then

@@ -21,6 +21,9 @@ Required (a plug-in without one is refused when registered, `registry.py`):
 Optional (the defaults here):
 * `plan_drain(situation)` - its **drain planner**: a pure function choosing how a node leaves the
   world (`engines/drain.py` runs the plan). Default: stop the node's workers (`plan_stop`).
+* `requires` - the modules its workers import that a node may lack (an optional install), and
+  `install_hint`, what the operator installs to get them. An agent whose node lacks one refuses
+  the engine's jobs with one line in `status` (`engines/installed.py`). Default: none.
 
 The agent looks a job's engine up once per submission (`engines/dispatch.py`); nothing else
 branches on the engine's name.
@@ -103,6 +106,9 @@ class Engine(abc.ABC):
     def worker_main(self, spec: "TrainSpec", options: WorkerOptions) -> int: ...
 
     # Optional.
+    requires: tuple[str, ...] = ()  # modules a node must be able to import to run its workers
+    install_hint: str = ""  # what installs them, shown when a node lacks one
+
     def plan_drain(self, situation: DrainSituation) -> DrainPlan:
         return plan_stop(situation)
 

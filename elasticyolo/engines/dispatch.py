@@ -2,6 +2,10 @@
 through `registry.py`), creates its node plug-in and forwards every callback to it. A resubmission
 naming another engine stops the old plug-in (its workers) and starts the new one; a resubmission
 with the same engine is the node plug-in's business (`JobView.generation` changes).
+
+An engine this node cannot run (not installed here, `installed.py`; or one that will not load) is
+refused: no workers, and the one-line reason in this node's record (`installed.RECORD_FIELD`),
+which `elasticyolo status` shows, until the job names an engine the node runs.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from elasticyolo.agent.plugin import AgentPlugin, NodeAPI
 from elasticyolo.engines import registry
+from elasticyolo.engines.installed import RECORD_FIELD as REFUSED_FIELD, engine_refusal
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 
@@ -25,10 +30,13 @@ class EngineDispatch(AgentPlugin):
     def __init__(self) -> None:
         self.current: AgentPlugin | None = None
         self.engine_name: str | None = None
-        self._failed: str | None = None  # an engine that would not load (logged once)
+        self._failed: str | None = None  # the engine this node refused (logged once)
 
     def _select(self, agent: NodeAPI) -> AgentPlugin | None:
         spec = agent.job.spec
+        if spec is None and self._failed is not None:  # the refused job was removed
+            self._failed = None
+            agent.set_record_field(REFUSED_FIELD, None)
         name = spec.engine if spec is not None else self.engine_name
         if name is None or name == self.engine_name or name == self._failed:
             return self.current
@@ -37,12 +45,17 @@ class EngineDispatch(AgentPlugin):
             self._forward(agent, "on_stop")
         try:
             engine: Engine = registry.get(name)
+            refused = engine_refusal(engine)
+            if refused is not None:
+                raise UserError(refused)
             node = engine.node(agent)
         except UserError as exc:
             log.error("engine unavailable on this node", engine=name, error=str(exc))
             self.current, self.engine_name, self._failed = None, None, name
+            agent.set_record_field(REFUSED_FIELD, str(exc))
             return None
         self.current, self.engine_name, self._failed = node, name, None
+        agent.set_record_field(REFUSED_FIELD, None)
         log.info("engine selected", engine=name)
         self._forward(agent, "on_start")
         return node

@@ -26,6 +26,7 @@ from elasticyolo.agent.staging import data_ready
 from elasticyolo.agent.state import SERVING_STATES
 from elasticyolo.cluster.etcd import EtcdClient, EtcdError, b64, prefix_range_end
 from elasticyolo.cluster.keys import JobKeys
+from elasticyolo.engines.installed import RECORD_FIELD as REFUSED_FIELD
 from elasticyolo.engines.world_health import note_step
 from elasticyolo.errors import UnavailableError
 from elasticyolo.log import get_logger
@@ -39,6 +40,8 @@ def slots_of(record: dict[str, Any], max_slots: int | None) -> int:
     if record.get("state") not in SERVING_STATES and not handing_over:
         return 0
     if not data_ready(record):  # its s3:// dataset is still being staged (agent/staging.py)
+        return 0
+    if record.get(REFUSED_FIELD):  # its agent does not run this engine (no Horovod there)
         return 0
     ready = record.get("ready_slots")
     slots = int(record.get("slots") or 0) if ready is None else int(ready)

@@ -25,6 +25,10 @@ class HorovodEngine(Engine):
     name = "horovod"
     commit_target_s = 1.0
     worker_modules = ("elasticyolo.engines.horovod.worker",)
+    # Horovod is an optional install (the `horovod` extra, docs/install.md): a node without it runs
+    # torch jobs and refuses this engine's.
+    requires = ("horovod.torch",)
+    install_hint = "pip install 'elasticyolo[horovod]', see docs/install.md"
 
     def node(self, agent: "NodeAPI") -> "HorovodNode":
         from elasticyolo.engines.horovod.node import HorovodNode
