@@ -218,6 +218,7 @@ class TorchWorld(WorkerWorld):
         self._local_rank = int(os.environ.get(ENV_SLOT, "0"))
         self._collectives: TorchCollectives | None = None
         self.saved: dict[str, Any] | None = None  # the last commit's state (the rollback point)
+        self.past_commit = False  # the core trained past `saved` (a collective failed mid-interval)
         self.uuid = 0  # the world this process is in (0: none)
         self.leave_requested = threading.Event()
         self.left = threading.Event()
@@ -332,6 +333,7 @@ class TorchWorld(WorkerWorld):
                     return self._leave(runner)
                 log.info("leaving the world at a commit", uuid=self.uuid, step=core.progress.step)
             except CollectiveFailed as exc:
+                self.past_commit = True
                 watch.failed(self.uuid)
                 runner.trace.write("failed", rank=core.rank, world=core.world, step=core.progress.step, uuid=self.uuid)
                 log.info("collective failed; re-forming", uuid=self.uuid, step=core.progress.step, error=str(exc))
@@ -374,21 +376,27 @@ class TorchWorld(WorkerWorld):
             return restored.source
         src = steps.index(best)
         if all(s == best for s in steps):
-            assert saved is not None
-            load_core_state(core, clone_state(saved))  # training writes into what it loads
+            self._roll_back(core)
             source = "memory"
         else:
             state = send_state(saved if coll.rank == src else None, src, coll)
             if steps[coll.rank] == best:
-                assert saved is not None
-                load_core_state(core, clone_state(saved))
+                self._roll_back(core)
                 source = "memory"
             else:
                 load_core_state(core, state)
-                self.saved = clone_state(state)
+                self.saved, self.past_commit = clone_state(state), False
                 source = "peer"
         core.set_world(coll.size, coll.rank)
         return source
+
+    def _roll_back(self, core: TrainCore) -> None:
+        """The core at `saved` again: loaded only if it trained past it (a world left at a commit
+        holds exactly the committed state)."""
+        if self.past_commit:
+            assert self.saved is not None
+            load_core_state(core, clone_state(self.saved))  # training writes into what it loads
+            self.past_commit = False
 
     def _leave(self, runner: WorkerRunner) -> None:
         assert self.watch is not None
