@@ -1,4 +1,4 @@
-"""A reset's state transfer (engines/horovod/state_sync.send_shards) in a real 3-rank Horovod job
+"""A reset's state transfer (train/state_shares.send_shards over Horovod, engines/horovod/state_sync.py) in a real 3-rank Horovod job
 (Gloo, loopback): the ranks that differ from rank 0 end with its values bit for bit, whatever
 the dtypes, shapes and layout, and the ranks that hold them already are left as they were."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticyolo.engines.horovod.state_sync import shard_bounds
+from elasticyolo.train.state_shares import shard_bounds
 
 SCRIPT = textwrap.dedent("""
     import sys

@@ -71,7 +71,7 @@ def test_a_primed_optimizer_steps_exactly_as_a_fresh_one(name: str) -> None:
     step already counted in Adam's bias correction)."""
     import torch
 
-    from elasticyolo.engines.horovod.worker import prime_optimizer_state
+    from elasticyolo.train.state_shares import prime_optimizer_state
 
     def make() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
         torch.manual_seed(0)

@@ -100,13 +100,10 @@ def test_checkpoint_file_loads_with_yolo_and_resumes(spec: TrainSpec, tmp_path: 
     assert_same(core, fresh)
 
 
-def test_parse_conf_and_no_torch_in_the_agent() -> None:
+def test_no_torch_in_the_agent() -> None:
     import subprocess
 
-    from elasticyolo.engines.torch.node import parse_conf
-
-    assert parse_conf("last_call_timeout=1,keep_alive_interval=1.5,key_prefix=/x,") == {
-        "last_call_timeout": 1, "keep_alive_interval": 1.5, "key_prefix": "/x"}
-    code = ("import sys, elasticyolo.commands.agent, elasticyolo.engines.torch.node, elasticyolo.agent.daemon;"
+    code = ("import sys, elasticyolo.commands.agent, elasticyolo.engines.torch.node,"
+            " elasticyolo.engines.torch.coordinator, elasticyolo.agent.daemon;"
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -93,3 +93,14 @@ def test_max_nodes_caps_joiners_by_node() -> None:
     assert plan_world(WorldInputs(w1, records, max_nodes=2)) is None  # c waits for room
     w2 = plan_world(WorldInputs(w1, records, max_nodes=2, lost_nodes=frozenset({"b"})))
     assert w2 is not None and w2.members == ("a.0.1", "a.1.2", "c.0.4")
+
+
+def test_a_missing_node_record_counts_as_gone_only_after_the_grace() -> None:
+    from elasticyolo.engines.torch.coordinator import CoordinatorMemory, nodes_gone
+
+    memory = CoordinatorMemory()
+    assert nodes_gone({"a"}, {"a", "b"}, memory, now=10.0, grace_s=4.0) == set()  # b missing from 10.0
+    assert nodes_gone({"a"}, {"a", "b"}, memory, now=13.9, grace_s=4.0) == set()
+    assert nodes_gone({"a", "b"}, {"a", "b"}, memory, now=13.95, grace_s=4.0) == set()  # b registered again
+    assert nodes_gone({"a"}, {"a", "b"}, memory, now=14.0, grace_s=4.0) == set()  # its grace starts over
+    assert nodes_gone({"a"}, {"a", "b"}, memory, now=18.0, grace_s=4.0) == {"b"}

@@ -27,7 +27,8 @@ from horovod.runner.elastic.worker import HostUpdateResult
 from elasticyolo.engines.horovod.abort import ABORT, abort_horovod_collectives, horovod_aborter
 from elasticyolo.engines.horovod.quiesce import QuiesceInterrupt, QuiescePoller, hold_until_stopped
 from elasticyolo.engines.horovod.saved_state import buffered_handler
-from elasticyolo.engines.horovod.state_sync import apply_plain, send_shards, signature, state_tensors
+from elasticyolo.engines.horovod.state_sync import send_shards
+from elasticyolo.train.state_shares import apply_plain, prime_optimizer_state, signature, state_tensors
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
 from elasticyolo.train.checkpointing import open_checked_store
@@ -155,33 +156,6 @@ class AlwaysSyncTorchState(hvd.elastic.TorchState):
                 raise QuiesceInterrupt(request)
         if self._last_updated_timestamp > prev:
             raise HostsUpdatedInterrupt(False)
-
-
-def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's per-parameter state with a zero-LR step, then zero it.
-
-    Horovod's optimizer-state broadcast runs a real `optimizer.step()` on any rank whose state is
-    empty (a fresh worker joining), which would apply weight decay to its parameters; with state
-    already present it only broadcasts.
-    """
-    if optimizer.state_dict()["state"]:
-        return
-    saved = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, saved):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    # Now as after no step at all: SGD's first momentum would hold weight decay x params, Adam's
-    # step count 1 would change its first bias correction (a zero buffer is what SGD starts from).
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                value.zero_()
 
 
 class HorovodCollectives:

@@ -45,7 +45,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from elasticyolo.engines.torch.rendezvous import EtcdStore
 from elasticyolo.engines.torch.world_plan import World
-from elasticyolo.engines.torch.world_watch import WorldWatch
+from elasticyolo.engines.torch.world_watch import WorldSource, WorldWatch
 from elasticyolo.errors import UserError
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
@@ -53,7 +53,8 @@ from elasticyolo.train.checkpointing import open_checked_store
 from elasticyolo.train.core import TrainCore
 from elasticyolo.train.loop import ProgressSink, Summary
 from elasticyolo.train.snapshots import finish_snapshot_on_sigterm, send_state
-from elasticyolo.train.state import clone_state, core_state, load_core_state, state_step
+from elasticyolo.train.state import clone_state, core_state, load_core_state, progress_dict, progress_from, state_step
+from elasticyolo.train.state_shares import apply_plain, prime_optimizer_state, send_shards, signature, state_tensors
 from elasticyolo.worker_runtime import worker_errors
 from elasticyolo.worker_runtime.collective_abort import CollectiveAborter
 from elasticyolo.worker_runtime.commit import EngineCommit
@@ -163,6 +164,18 @@ class TorchCollectives:
         return int(t.item())
 
 
+def torch_alltoall(payload: torch.Tensor, splits: list[int], index: int) -> torch.Tensor:
+    """`state_shares.AllToAll` over the default process group: the split sizes first (so each
+    rank knows what it receives), then the bytes."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    everyone = [torch.zeros(size, dtype=torch.int64) for _ in range(size)]
+    guarded(lambda: dist.all_gather(everyone, torch.tensor(splits, dtype=torch.int64)))
+    incoming = [int(everyone[r][rank]) for r in range(size)]
+    out = torch.empty(sum(incoming), dtype=torch.uint8, device=payload.device)
+    guarded(lambda: dist.all_to_all_single(out, payload, incoming, splits))
+    return out
+
+
 # ---- the commit --------------------------------------------------------------------------------
 class InPlaceCommit(EngineCommit):
     """Keeps the committed state in memory (the rollback point) and makes the ranks leave the
@@ -203,6 +216,8 @@ class PreparedWorker:
 
 
 def prepare_worker(spec: TrainSpec, core: TrainCore) -> PreparedWorker:
+    # Its optimizer state exists before it joins a world (state_shares: the state arrives in place).
+    prime_optimizer_state(core.optimizer)
     # Any node may come to hold rank 0, which writes the checkpoints: check writing everywhere.
     return PreparedWorker(core, open_checked_store(spec, write=True))
 
@@ -223,7 +238,7 @@ class TorchWorld(WorkerWorld):
         self.leave_requested = threading.Event()
         self.left = threading.Event()
         self.aborter = CollectiveAborter()
-        self.watch: WorldWatch | None = None
+        self.watch: WorldSource | None = None
 
     @property
     def collectives(self) -> TorchCollectives:
@@ -241,14 +256,23 @@ class TorchWorld(WorkerWorld):
         return self.leave_requested.is_set() or (self.watch is not None and self.watch.latest_uuid() > self.uuid)
 
     # ---- joining the job -------------------------------------------------------------------------
-    def join(self, runner: WorkerRunner) -> TrainCore:
+    def connect(self, runner: WorkerRunner) -> tuple[Any, Callable[[int], WorldSource]]:
+        """Where this worker's worlds come from: the process-group store (a c10d store with `add`
+        and an `abort_check` hook, `EtcdStore`) and a maker of its `WorldSource` given its
+        incarnation. Here: etcd and the leader's coordinator; an engine on another cluster manager
+        overrides this and reuses the rest."""
         env = runner.env
         connected = env.etcd_client(timeout=10.0)
         if connected is None or env.generation is None or env.node_id is None:
             raise UserError("engine=torch workers are started by an elasticyolo agent: the job, node and "
                             "etcd are not in the environment")
         client, keys = connected
-        store = EtcdStore(client, keys.torch_store(env.generation), timeout=timedelta(seconds=ENTER_TIMEOUT_S))
+        generation, node = env.generation, env.node_id
+        store = EtcdStore(client, keys.torch_store(generation), timeout=timedelta(seconds=ENTER_TIMEOUT_S))
+        return store, lambda incarnation: WorldWatch(client, keys, generation, node, self.local_rank, incarnation)
+
+    def join(self, runner: WorkerRunner) -> TrainCore:
+        store, make_source = self.connect(runner)
         incarnation = store.add("incarnation", 1)
         backend = "nccl" if torch.cuda.is_available() and self.spec.device not in ("cpu",) else "gloo"
         if backend == "nccl":
@@ -256,7 +280,7 @@ class TorchWorld(WorkerWorld):
         dist.init_process_group(backend, store=store, rank=incarnation, world_size=1 << 20,
                                 timeout=timedelta(seconds=self.spec.gloo_timeout_s), enable_reconfigure=True)
         self.store = store
-        self.watch = WorldWatch(client, keys, env.generation, env.node_id, self.local_rank, incarnation)
+        self.watch = make_source(incarnation)
         self.watch.on_world = self._on_world
         self.watch.start()
         if self.prepared is None:
@@ -365,30 +389,60 @@ class TorchWorld(WorkerWorld):
 
     def _agree_state(self, runner: WorkerRunner) -> str:
         """Every rank at the newest committed state; returns where this rank's came from."""
+        t0 = time.perf_counter()
+        self._phases: dict[str, float] = {}
+        source = self._agree_state_now(runner)
+        log.info("state agreed", source=source, step=runner.core.progress.step,
+                 seconds=round(time.perf_counter() - t0, 3),
+                 **{k: round(v - t0, 3) for k, v in self._phases.items()})
+        return source
+
+    def _agree_state_now(self, runner: WorkerRunner) -> str:
         core, coll = runner.core, self.collectives
         core.set_world(coll.size, coll.rank)
-        saved = self.saved
-        steps = [int(s) for s in coll.allgather_object(state_step(saved) if saved is not None else -1)]
+        step = state_step(self.saved) if self.saved is not None else -1
+        if step < 0:
+            prime_optimizer_state(core.optimizer)  # its tensors line up with the holders' (state_shares)
+        everyone = coll.allgather_object((step, signature(state_tensors([core.model, core.ema.ema],
+                                                                         core.optimizer)[0])))
+        self._phases["gathered_s"] = time.perf_counter()
+        steps = [int(e[0]) for e in everyone]
         best = max(steps)
         if best < 0:  # nobody holds a state: a fresh job or a full restart
             restored = runner.restore()
             self.saved = core_state(core)
             return restored.source
-        src = steps.index(best)
-        if all(s == best for s in steps):
+        holders = [r for r, s in enumerate(steps) if s == best]
+        if coll.rank in holders:
             self._roll_back(core)
-            source = "memory"
-        else:
-            state = send_state(saved if coll.rank == src else None, src, coll)
-            if steps[coll.rank] == best:
-                self._roll_back(core)
-                source = "memory"
-            else:
-                load_core_state(core, state)
-                self.saved, self.past_commit = clone_state(state), False
-                source = "peer"
+        if len(holders) == coll.size:
+            return "memory"
+        if all(e[1] == everyone[0][1] for e in everyone):
+            # The holders send their state in shares, as raw bytes (train/state_shares.py).
+            receivers = [r for r in range(coll.size) if r not in holders]
+            tensors, plain = state_tensors([core.model, core.ema.ema], core.optimizer)
+            self._phases["rolled_back_s"] = time.perf_counter()
+            send_shards(tensors, holders, receivers, rank=coll.rank, size=coll.size, alltoall=torch_alltoall)
+            self._phases["sent_s"] = time.perf_counter()
+            mine = (plain, progress_dict(core), core.scaler.state_dict() if core.scaler.is_enabled() else None,
+                    int(core.ema.updates)) if coll.rank == holders[0] else None
+            plain, progress, scaler, ema_updates = coll.broadcast_object(mine, holders[0])
+            if coll.rank in holders:
+                return "memory"
+            apply_plain(core.optimizer, plain)
+            core.progress = progress_from(progress)
+            core.ema.updates = ema_updates
+            if scaler and core.scaler.is_enabled():
+                core.scaler.load_state_dict(scaler)
+            core.sync_sampler_from_progress()
+        else:  # the tensors do not line up (never seen): the whole state, pickled, from one holder
+            state = send_state(self.saved if coll.rank == holders[0] else None, holders[0], coll)
+            if coll.rank in holders:
+                return "memory"
+            load_core_state(core, state)
+        self.saved, self.past_commit = core_state(core), False
         core.set_world(coll.size, coll.rank)
-        return source
+        return "peer"
 
     def _roll_back(self, core: TrainCore) -> None:
         """The core at `saved` again: loaded only if it trained past it (a world left at a commit

@@ -1,5 +1,6 @@
 """A torch engine worker's view of its worlds (worker side): its member record, and the newest
-world the coordinator published (`coordinator.py`, `world_plan.py`).
+world the coordinator published (`coordinator.py`, `world_plan.py`). `WorldSource` is what the
+worker (`worker.py`) needs; `WorldWatch` implements it on etcd.
 
 * `register`/`entered`/`leave` write this worker's `MemberRecord`: its reconfiguration handle
   (which changes with every world it enters), the last world it tried and whether it got in,
@@ -15,7 +16,7 @@ import json
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from elasticyolo.engines.torch.world_plan import MemberRecord, World
 from elasticyolo.log import get_logger
@@ -27,6 +28,24 @@ if TYPE_CHECKING:
 log = get_logger("elasticyolo.torch.worker")
 
 POLL_S = 0.5
+
+
+class WorldSource(Protocol):
+    """A worker's member record and its worlds, on whatever the cluster keeps them in."""
+
+    on_world: Callable[[World], None] | None  # called with every newer world (from any thread)
+
+    @property
+    def member(self) -> str: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def register(self, handle: str) -> None: ...
+    def entered(self, uuid: int, ok: bool, handle: str) -> None: ...
+    def failed(self, uuid: int) -> None: ...
+    def leave(self) -> None: ...
+    def latest_uuid(self) -> int: ...
+    def wait(self, ready: Callable[[World | None], bool], timeout_s: float | None = None) -> World | None: ...
+    def poke(self) -> None: ...
 
 
 class WorldWatch:
