@@ -239,6 +239,7 @@ class TorchWorld(WorkerWorld):
         self.left = threading.Event()
         self.aborter = CollectiveAborter()
         self.watch: WorldSource | None = None
+        self.static = False  # one world per process (plain torchrun)
 
     @property
     def collectives(self) -> TorchCollectives:
@@ -272,6 +273,8 @@ class TorchWorld(WorkerWorld):
         return store, lambda incarnation: WorldWatch(client, keys, generation, node, self.local_rank, incarnation)
 
     def join(self, runner: WorkerRunner) -> TrainCore:
+        if not runner.env.connected and os.environ.get("TORCHELASTIC_RUN_ID"):
+            return self._join_under_torchrun(runner)
         store, make_source = self.connect(runner)
         incarnation = store.add("incarnation", 1)
         backend = "nccl" if torch.cuda.is_available() and self.spec.device not in ("cpu",) else "gloo"
@@ -295,6 +298,22 @@ class TorchWorld(WorkerWorld):
         self._install_sigterm(runner)
         self.watch.register(dist._get_reconfigure_handle())
         log.info("torch worker registered", member=self.watch.member)
+        return core
+
+    def _join_under_torchrun(self, runner: WorkerRunner) -> TrainCore:
+        """Under plain torchrun (the benchmarks' baseline): one world per process, from torch
+        elastic's environment; torchrun restarts the world on any change, and every start
+        restores the newest state (`WorkerWorld.run`)."""
+        backend = "nccl" if torch.cuda.is_available() and self.spec.device not in ("cpu",) else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=self.spec.gloo_timeout_s))
+        rank, size = dist.get_rank(), dist.get_world_size()
+        core = self.prepared.core if self.prepared is not None else TrainCore(
+            self.spec, rank=rank, world=size, local_rank=self.local_rank, work_dir=runner.env.run_dir)
+        core.set_world(size, rank)
+        core.grad_allreduce = make_allreduce(size, self.spec.fp16_allreduce, lambda: 0, lambda _: None)
+        self._collectives = TorchCollectives(core.device)
+        self._collectives.rank, self._collectives.size = rank, size
+        self.static = True
         return core
 
     def _install_sigterm(self, runner: WorkerRunner) -> None:
@@ -325,6 +344,8 @@ class TorchWorld(WorkerWorld):
 
     # ---- the worlds ------------------------------------------------------------------------------
     def run(self, runner: WorkerRunner) -> Summary | None:
+        if self.static:
+            return super().run(runner)
         assert self.watch is not None
         finish_snapshot_on_sigterm(runner.snapshots, stop_at_commit=self._sigterm)
         watch, core = self.watch, runner.core
