@@ -31,15 +31,22 @@ if TYPE_CHECKING:
 STATE_FORMAT = 1
 
 
-def _cpu(obj: Any) -> Any:
-    """Deep copy of a state_dict tree with every tensor cloned onto the CPU."""
+def _cpu(obj: Any, into: Any = None) -> Any:
+    """Deep copy of a state_dict tree with every tensor cloned onto the CPU. `into`: a tree of the
+    same shape from an earlier copy, whose tensors are written in place where they match (a copy
+    kept at every commit then allocates nothing)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
+        if (isinstance(into, torch.Tensor) and into.shape == t.shape and into.dtype == t.dtype
+                and into.device.type == "cpu" and into.is_contiguous() and t.stride() == into.stride()):
+            return into.copy_(t)
         return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
     if isinstance(obj, dict):
-        return type(obj)((k, _cpu(v)) for k, v in obj.items())
+        prev = into if isinstance(into, dict) else {}
+        return type(obj)((k, _cpu(v, prev.get(k))) for k, v in obj.items())
     if isinstance(obj, list):
-        return [_cpu(v) for v in obj]
+        prev_list = into if isinstance(into, list) and len(into) == len(obj) else [None] * len(obj)
+        return [_cpu(v, p) for v, p in zip(obj, prev_list)]
     if isinstance(obj, tuple):
         return tuple(_cpu(v) for v in obj)
     return obj
@@ -62,15 +69,17 @@ def progress_from(data: Mapping[str, Any]) -> "Progress":
     return Progress(**{k: v for k, v in data.items() if k in known})
 
 
-def core_state(core: "TrainCore") -> dict[str, Any]:
-    """Everything needed to continue exactly here, as CPU tensors and plain objects."""
+def core_state(core: "TrainCore", into: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything needed to continue exactly here, as CPU tensors and plain objects. `into`: an
+    earlier `core_state` that is no longer needed, whose tensors are reused."""
+    prev: Mapping[str, Any] = into or {}
     with torch.no_grad():
         return {
             "format": STATE_FORMAT,
-            "model": _cpu(core.model.state_dict()),
-            "ema": _cpu(core.ema.ema.state_dict()),
+            "model": _cpu(core.model.state_dict(), prev.get("model")),
+            "ema": _cpu(core.ema.ema.state_dict(), prev.get("ema")),
             "ema_updates": int(core.ema.updates),
-            "optimizer": _cpu(core.optimizer.state_dict()),
+            "optimizer": _cpu(core.optimizer.state_dict(), prev.get("optimizer")),
             "scaler": core.scaler.state_dict() if core.scaler.is_enabled() else None,
             "progress": progress_dict(core),
         }

@@ -155,6 +155,16 @@ class TorchCollectives:
         guarded(lambda: dist.broadcast(payload, src))
         return data if self.rank == src and data is not None else payload.cpu().numpy().tobytes()
 
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (the same length everywhere), in rank order: one collective."""
+        if self.size == 1:
+            return [list(values)]
+        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = torch.tensor(values, dtype=torch.int64, device=dev)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        guarded(lambda: dist.all_gather(out, mine))
+        return [[int(v) for v in t.tolist()] for t in out]
+
     def max_int(self, value: int) -> int:
         if self.size == 1:
             return value
@@ -195,7 +205,7 @@ class InPlaceCommit(EngineCommit):
         return self._change_seen
 
     def save(self) -> None:
-        self.world.saved = core_state(self.core)
+        self.world.saved = core_state(self.core, into=self.world.saved)  # the last commit's buffers reused
 
     def agree(self) -> None:
         # After the snapshot (a peer dying here costs no node its snapshot of this commit), before
@@ -424,10 +434,10 @@ class TorchWorld(WorkerWorld):
         step = state_step(self.saved) if self.saved is not None else -1
         if step < 0:
             prime_optimizer_state(core.optimizer)  # its tensors line up with the holders' (state_shares)
-        everyone = coll.allgather_object((step, signature(state_tensors([core.model, core.ema.ema],
-                                                                         core.optimizer)[0])))
+        sig = int(signature(state_tensors([core.model, core.ema.ema], core.optimizer)[0])[:15], 16)
+        everyone = coll.allgather_ints([step, sig])
         self._phases["gathered_s"] = time.perf_counter()
-        steps = [int(e[0]) for e in everyone]
+        steps = [e[0] for e in everyone]
         best = max(steps)
         if best < 0:  # nobody holds a state: a fresh job or a full restart
             restored = runner.restore()
