@@ -2,14 +2,14 @@
 
 A commit, in this order:
 1. `EngineCommit.save()` - the engine makes the state its rollback point (Horovod:
-   `state.save()`; torch elastic restarts the world instead, so nothing);
+   `state.save()`; torch: a copy in host memory);
 2. the node-local snapshot (local rank 0; `train/snapshots.py`), at most every `period_s`;
 3. `EngineCommit.agree()` - a collective the engine needs before rank 0's checkpoint copy can
-   hold its peers (torch: whether this commit ends the round); after the snapshot, so that a peer
+   hold its peers (torch: whether a newer world is out or a rank leaves); after the snapshot, so that a peer
    dying in it costs no node its snapshot of this commit;
 4. the store checkpoint when one is due (rank 0; `train/checkpointing.py`);
 5. `EngineCommit.check()` - the engine may now interrupt (Horovod raises a hosts-updated reset
-   here, the torch worker exits if the ranks agreed to; 1, 2 and 4 hold exactly the committed
+   here, the torch worker leaves its world if the ranks agreed to; 1, 2 and 4 hold exactly the committed
    state).
 
 Every rank commits at the same steps (the loop's contract): rank 0 measures about
@@ -46,7 +46,8 @@ class EngineCommit:
 
     def commit_now(self) -> bool:
         """Asked after every step: the world agreed to commit at this step outside the interval
-        (the torch engine: a rank was asked to stop). The same answer on every rank."""
+        (the torch engine: a newer world is out or a rank asked to leave). The same answer on
+        every rank."""
         return False
 
 
