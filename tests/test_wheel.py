@@ -103,11 +103,12 @@ def test_the_wheel_gives_the_agent_and_the_cli_without_torch(node_venv: Path, et
                                 job_name, "--json"], env=env, capture_output=True, text=True, timeout=30)
             assert s.returncode == 0, s.stderr
             view = json.loads(s.stdout)
-            return view if [n["id"] for n in view["nodes"]] == ["wheel-node"] else None
+            # registration and the election are two steps: wait for both
+            return view if [n["id"] for n in view["nodes"]] == ["wheel-node"] and view["leader"] == "wheel-node" \
+                else None
 
-        view = wait_for(registered, 60, "the wheel's agent in `status --json`",
-                        abort=lambda: f"the agent exited {agent.returncode}" if agent.poll() is not None else None)
-        assert view["leader"] == "wheel-node"
+        wait_for(registered, 60, "the wheel's agent registered and leading in `status --json`",
+                 abort=lambda: f"the agent exited {agent.returncode}" if agent.poll() is not None else None)
         text = subprocess.run([str(bin_dir / "elasticyolo"), "status", "--etcd", etcd_server.endpoints, "--job",
                                job_name], env=env, capture_output=True, text=True, timeout=30)
         assert text.returncode == 0 and "wheel-node" in text.stdout, text.stderr

@@ -28,6 +28,7 @@ class S3FaultProxy:
     get_delay_s: float = 0.0  # added to every object GET
     corrupt: dict[str, int] = field(default_factory=dict)  # object key -> GETs to corrupt (-1: all)
     gets: Counter = field(default_factory=Counter)  # object key -> GETs served (incl. ranged)
+    in_flight: int = 0  # requests being forwarded now (a killed client's last ones included)
     _server: ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -45,6 +46,15 @@ class S3FaultProxy:
                 pass
 
             def _forward(self) -> None:
+                with proxy._lock:
+                    proxy.in_flight += 1
+                try:
+                    self._forward_counted()
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _forward_counted(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
