@@ -278,6 +278,9 @@ def test_spot_notice_drains_a_node_and_the_survivor_reforms_without_waiting_for_
     assert resume_a["pid"] in job.worker_pids("a") and len(job.worker_pids("a")) == 1
     before = [e["step"] for e in job.events("step") if e["t"] < resume_a["t"]]
     assert resume_a["step"] == max(before), (resume_a, max(before))
+    # b's worker left at that same commit: it says so in its trace, at the step a resumed from
+    left_b = [e for e in job.events("left") if e["pid"] in job.worker_pids("b")]
+    assert left_b and left_b[-1]["step"] == resume_a["step"], (left_b, resume_a)
     kinds = [json.loads(v).get("kind") for _, v, _ in job.client.get_prefix(job.keys.events)]
     assert "notice" in kinds and "drain_end" in kinds, kinds
     job.wait(lambda: len(job.steps_after(step1["t"], 1)) >= 2 * (N_TRAIN // 4), 120, "two more epochs at world 1")

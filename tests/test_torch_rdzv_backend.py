@@ -7,6 +7,7 @@ import pickle
 import threading
 import time
 from datetime import timedelta
+from typing import Iterator
 
 import pytest
 
@@ -149,11 +150,29 @@ def test_concurrent_cas_from_processes_loses_no_update(backend: EtcdRendezvousBa
 
 # ---- store ----------------------------------------------------------------------------------
 
-@pytest.fixture
-def store(etcd_server, job_name) -> EtcdStore:
+@pytest.fixture(params=[False, True], ids=["polled", "watched"])
+def store(request, etcd_server, job_name) -> Iterator[EtcdStore]:
     client = EtcdClient(etcd_server.endpoints)
     client.delete_prefix(f"/t/{job_name}/")
-    return EtcdStore(client, f"/t/{job_name}/store", timeout=timedelta(seconds=3))
+    s = EtcdStore(client, f"/t/{job_name}/store", timeout=timedelta(seconds=3), watch=request.param)
+    yield s
+    s.close()
+
+
+def test_a_watched_store_wakes_on_the_write_not_on_a_poll(etcd_server, job_name, monkeypatch) -> None:
+    """With a re-read only every 30 s, a waiting get still returns as the key is written: the
+    watch woke it."""
+    monkeypatch.setattr(EtcdStore, "_WATCH_POLL_S", 30.0)
+    monkeypatch.setattr(EtcdStore, "_ABORT_CHECK_S", 30.0)
+    client = EtcdClient(etcd_server.endpoints)
+    s = EtcdStore(client, f"/t/{job_name}/store", timeout=timedelta(seconds=20), watch=True)
+    try:
+        threading.Timer(0.3, EtcdStore(client, f"/t/{job_name}/store").set, ("late", b"v")).start()
+        t0 = time.monotonic()
+        assert s.get("late") == b"v"
+        assert time.monotonic() - t0 < 10, "woke only at a re-read"
+    finally:
+        s.close()
 
 
 def test_store_set_get_add_compare_set(store: EtcdStore) -> None:

@@ -1,9 +1,10 @@
 """The torch engine's world coordinator: on the leader, publish each new world (agent side, no torch).
 
 The decision is `world_plan.plan_world`; this executor gathers its inputs and writes its result:
-* the member records (`torch/<gen>/members/`), the node records, the current world (`world`) and
-  rank 0's reported step, read from etcd whenever one of them changes (one watch on the job's
-  prefix) and at least every `POLL_S`;
+* the member records (`torch/<gen>/members/`), the node records and the current world (`world`),
+  read from etcd whenever one of them changes (one watch on the job's prefix) and at least every
+  `POLL_S`; rank 0's step comes from the same watch's `progress` events, which are only noted:
+  the step changes twice a second and alone decides nothing until the world stops stepping;
 * the lost nodes: the leader's liveness verdicts (`engines/world_health.py`: every DEAD node, a
   SUSPECT one while the world does not step); a node whose record stayed away longer than the
   lease grace (a lapse that re-registers within it costs its worker nothing); and at once a node
@@ -70,6 +71,7 @@ class WorldCoordinator:
         self.keys = agent.keys
         self.members_prefix = self.keys.torch_members(generation)
         self.memory = CoordinatorMemory()
+        self._steps_lock = threading.Lock()  # memory.steps: noted by the watch, read by the loop
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._client: "EtcdClient | None" = None
@@ -111,23 +113,32 @@ class WorldCoordinator:
 
     def _watch(self, client: "EtcdClient") -> None:
         keys = self.keys
-        relevant = (self.members_prefix, keys.nodes, keys.suspects, keys.progress, keys.world)
+        relevant = (self.members_prefix, keys.nodes, keys.suspects, keys.world)
+        self._note_progress(client.get(keys.progress))
         events, self._cancel_watch = client.watch_prefix(keys.prefix)
 
         def pump() -> None:
             try:
                 for ev in events:
-                    if ev.key.startswith(relevant):
+                    if ev.key == keys.progress:
+                        self._note_progress((ev.value, ev.mod_revision) if ev.type == "PUT" else None)
+                    elif ev.key.startswith(relevant):
                         self._wake.set()
             except Exception as exc:  # noqa: BLE001 - the poll still runs
                 log.debug("coordinator watch ended", error=str(exc))
 
         threading.Thread(target=pump, name="torch-coordinator-watch", daemon=True).start()
 
+    def _note_progress(self, kv: "tuple[bytes, int] | None") -> None:
+        step = _json(kv[0]).get("step") if kv is not None else None
+        if step is not None:
+            with self._steps_lock:
+                note_step(int(step), self.memory.steps, time.monotonic())
+
     def step(self, client: "EtcdClient") -> World | None:
         """One read, decide, write. Returns the world it published, if any."""
         keys, now = self.keys, time.monotonic()
-        got = client.get_many([keys.world, keys.progress])
+        world_kv = client.get(keys.world)
         records = {}
         for _, value, _ in client.get_prefix(self.members_prefix):
             try:
@@ -136,16 +147,12 @@ class WorldCoordinator:
                 continue
             records[rec.member] = rec
         node_recs = {key[len(keys.nodes):]: value for key, value, _ in client.get_prefix(keys.nodes)}
-        world_kv, progress_kv = got[keys.world], got[keys.progress]
         current, revision = None, 0
         if world_kv is not None:
             revision = world_kv[1]
             data = _json(world_kv[0])
             if data.get("generation") == self.generation:
                 current = World.from_json(data)
-        progress = _json(progress_kv[0]) if progress_kv is not None else {}
-        if current is not None and progress.get("step") is not None:
-            note_step(int(progress["step"]), self.memory.steps, now)
         lost = self._lost(records, node_recs, current, now)
         absent = frozenset({r.node for r in records.values()} - set(node_recs))
         nxt = plan_world(WorldInputs(current=current, records=records, lost_nodes=frozenset(lost),
@@ -178,8 +185,9 @@ class WorldCoordinator:
             if node in node_recs:
                 token = str(_json(node_recs[node]).get("liveness_token") or "")
             verdicts[node] = liveness.verdict(node, token)
-        steps = self.memory.steps
-        stalled = world_stalled(steps.step_changed_at, steps.step_period_s, now)
+        with self._steps_lock:
+            steps = self.memory.steps
+            stalled = world_stalled(steps.step_changed_at, steps.step_period_s, now)
         return gone | lost_nodes(verdicts, stalled)
 
     def _prune_store(self, client: "EtcdClient", uuid: int) -> None:

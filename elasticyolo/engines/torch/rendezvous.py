@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import time
 import zlib
 from datetime import datetime, timedelta, timezone
@@ -199,24 +200,55 @@ def _as_bytes(value: Any) -> bytes:
 
 
 class EtcdStore(dist.Store):
-    """A c10d Store on etcd v3 for the agents' per-round traffic (MASTER_ADDR/PORT, rank
-    assignment, barriers). Blocking reads poll (few keys, short-lived, loopback-fast); the
-    state does not live on any one node, so losing any node loses no store."""
+    """A c10d Store on etcd v3: the agents' per-round traffic of torchrun's rendezvous
+    (MASTER_ADDR/PORT, rank assignment, barriers) and the torch engine workers' process-group
+    store. The state does not live on any one node, so losing any node loses no store.
+
+    A blocking read re-reads the keys until they are there: every `_POLL_MIN`-`_POLL_MAX` s, or,
+    with `watch=True`, whenever a key under the prefix changes (one etcd watch per store), with a
+    re-read every `_WATCH_POLL_S` in case the watch missed an event. Gloo's connection setup
+    is a chain of such reads (each rank's address, then its peers'), so a worker that re-forms its
+    process group in place watches: a key is seen within milliseconds of its write, not at the
+    next poll."""
 
     # A round's bootstrap keys are written within a fraction of a second: a wait re-reads at most
     # every 50 ms (200 ms made a key written just after a read cost up to 0.2 s of every restart).
     _POLL_MIN, _POLL_MAX = 0.01, 0.05
+    _WATCH_POLL_S = 0.25
     _ABORT_CHECK_S = 0.5
 
-    def __init__(self, client: KV, prefix: str, timeout: timedelta | None = None) -> None:
+    def __init__(self, client: KV, prefix: str, timeout: timedelta | None = None, *, watch: bool = False) -> None:
         super().__init__()  # required by the pybind trampoline
         self.client = client
         self.prefix = prefix.rstrip("/") + "/"
         # Set by the handler: for a key being waited on, why the wait can never end (a peer of
         # its round is dead or the round is over), else None. Checked every _ABORT_CHECK_S.
         self.abort_check: Callable[[str], str | None] | None = None
+        self._changed = threading.Condition()
+        self._changes = 0  # events seen under the prefix (a wait sleeps until this moves)
+        self._cancel_watch: Callable[[], None] | None = None
         if timeout is not None:
             self.set_timeout(timeout)
+        if watch:
+            self._watch()
+
+    def _watch(self) -> None:
+        events, self._cancel_watch = self.client.watch_prefix(self.prefix)  # type: ignore[attr-defined]
+
+        def pump() -> None:
+            try:
+                for _ in events:
+                    with self._changed:
+                        self._changes += 1
+                        self._changed.notify_all()
+            except Exception as exc:  # noqa: BLE001 - the waits still re-read every _WATCH_POLL_S
+                log.debug("store watch ended", prefix=self.prefix, error=str(exc))
+
+        threading.Thread(target=pump, name="etcd-store-watch", daemon=True).start()
+
+    def close(self) -> None:
+        if self._cancel_watch is not None:
+            self._cancel_watch()
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -276,6 +308,7 @@ class EtcdStore(dist.Store):
         delay = self._POLL_MIN
         full = [self._k(k) for k in keys]
         while True:
+            seen = self._changes
             found = EtcdRendezvousBackend._call(self.client.get_many, full)
             if all(found.get(k) is not None for k in full):
                 return {k: found[fk][0] for k, fk in zip(keys, full)}  # type: ignore[index]
@@ -287,8 +320,13 @@ class EtcdStore(dist.Store):
                 reason = self.abort_check(keys[0])
                 if reason is not None:
                     raise LookupError(f"gave up waiting for {keys} in the etcd store: {reason}")
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, self._POLL_MAX)
+            left = max(0.0, min(deadline, next_check) - time.monotonic())
+            if self._cancel_watch is not None:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._changes != seen, min(self._WATCH_POLL_S, left))
+            else:
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, self._POLL_MAX)
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):

@@ -249,7 +249,9 @@ class TorchWorld(WorkerWorld):
         self.left = threading.Event()
         self.aborter = CollectiveAborter()
         self.watch: WorldSource | None = None
+        self.store: Any = None  # the process-group store (`connect`)
         self.static = False  # one world per process (plain torchrun)
+        self._phases: dict[str, float] = {}  # the last state agreement's phases (its log line)
 
     @property
     def collectives(self) -> TorchCollectives:
@@ -279,7 +281,7 @@ class TorchWorld(WorkerWorld):
                             "etcd are not in the environment")
         client, keys = connected
         generation, node = env.generation, env.node_id
-        store = EtcdStore(client, keys.torch_store(generation), timeout=timedelta(seconds=ENTER_TIMEOUT_S))
+        store = EtcdStore(client, keys.torch_store(generation), timeout=timedelta(seconds=ENTER_TIMEOUT_S), watch=True)
         return store, lambda incarnation: WorldWatch(client, keys, generation, node, self.local_rank, incarnation)
 
     def join(self, runner: WorkerRunner) -> TrainCore:
@@ -421,7 +423,7 @@ class TorchWorld(WorkerWorld):
     def _agree_state(self, runner: WorkerRunner) -> str:
         """Every rank at the newest committed state; returns where this rank's came from."""
         t0 = time.perf_counter()
-        self._phases: dict[str, float] = {}
+        self._phases.clear()
         source = self._agree_state_now(runner)
         log.info("state agreed", source=source, step=runner.core.progress.step,
                  seconds=round(time.perf_counter() - t0, 3),
@@ -451,6 +453,8 @@ class TorchWorld(WorkerWorld):
         if all(e[1] == everyone[0][1] for e in everyone):
             # The holders send their state in shares, as raw bytes (train/state_shares.py).
             receivers = [r for r in range(coll.size) if r not in holders]
+            # Read again, not reused from the signature above: a holder's roll-back loads the
+            # commit into new optimizer tensors.
             tensors, plain = state_tensors([core.model, core.ema.ema], core.optimizer)
             self._phases["rolled_back_s"] = time.perf_counter()
             send_shards(tensors, holders, receivers, rank=coll.rank, size=coll.size, alltoall=torch_alltoall)
