@@ -72,6 +72,34 @@ def test_core_state_round_trip_through_a_local_snapshot(spec: TrainSpec, tmp_pat
     assert_same(core, fresh)
 
 
+def test_a_roll_back_copies_the_commit_into_the_live_tensors_and_keeps_it(spec: TrainSpec) -> None:
+    """What a survivor does when a collective failed after its commit (engines/torch/worker.py):
+    the core returns to the commit in place, and the commit stays the rollback point."""
+    from elasticyolo.train.core import TrainCore
+    from elasticyolo.train.state import core_state, load_core_state, roll_back
+
+    core = trained_core(spec, 3)
+    committed = core_state(core)
+    reference = TrainCore(spec)
+    load_core_state(reference, core_state(core))
+    live = [t.data_ptr() for t in core.model.state_dict().values()]
+    for _ in range(2):  # trained past the commit, across an epoch end
+        core.train_step()
+        core.end_epoch_if_done()
+    assert core.progress.step == 5
+    for _ in range(2):  # a second roll-back to the same commit finds it intact
+        roll_back(core, committed)
+        assert_same(core, reference)
+        assert [t.data_ptr() for t in core.model.state_dict().values()] == live  # in place
+        core.train_step()
+    # A commit taken before the optimizer's first step differs in shape: loaded instead.
+    fresh = TrainCore(spec)
+    before_first_step = core_state(fresh)
+    fresh.train_step()
+    roll_back(fresh, before_first_step)
+    assert fresh.progress.step == 0 and not fresh.optimizer.state_dict()["state"]
+
+
 def test_torn_snapshot_reads_as_none(tmp_path: Path) -> None:
     from elasticyolo.train.snapshots import read_snapshot
 

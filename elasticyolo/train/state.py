@@ -100,6 +100,50 @@ def load_core_state(core: "TrainCore", state: Mapping[str, Any]) -> None:
     core.sync_sampler_from_progress()
 
 
+def _copy_into(live: Any, saved: Any) -> bool:
+    """Copy a saved state_dict tree into the live one's tensors; False (and nothing guaranteed
+    about what was copied) where the two trees differ in shape."""
+    if isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != live.shape or saved.dtype != live.dtype:
+            return False
+        live.copy_(saved)
+        return True
+    if isinstance(live, dict):
+        return isinstance(saved, dict) and live.keys() == saved.keys() and all(
+            _copy_into(v, saved[k]) for k, v in live.items())
+    if isinstance(live, (list, tuple)):
+        return isinstance(saved, (list, tuple)) and len(live) == len(saved) and all(
+            _copy_into(a, b) for a, b in zip(live, saved))
+    return True  # a plain value: set below, where it is one the core keeps
+
+
+def roll_back(core: "TrainCore", state: Mapping[str, Any]) -> None:
+    """The live core back at `state` (a `core_state` it trained on from): its values copied into
+    the tensors the core trains in, so `state` stays intact and nothing is allocated. Where the
+    optimizer's state changed shape since (its first step), a copy of `state` is loaded instead."""
+    opt = core.optimizer
+    saved_opt = state["optimizer"]
+    params = [p for g in opt.param_groups for p in g["params"]]  # the index state_dict() numbers them by
+    live_opt = {i: opt.state[p] for i, p in enumerate(params) if p in opt.state}
+    with torch.no_grad():
+        in_place = (len(opt.param_groups) == len(saved_opt["param_groups"])
+                    and _copy_into(live_opt, saved_opt["state"])
+                    and _copy_into(core.model.state_dict(), state["model"])
+                    and _copy_into(core.ema.ema.state_dict(), state["ema"]))
+    if not in_place:
+        load_core_state(core, clone_state(state))
+        return
+    for group, saved in zip(opt.param_groups, saved_opt["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for i, saved_state in saved_opt["state"].items():
+        live_opt[i].update({k: v for k, v in saved_state.items() if not isinstance(v, torch.Tensor)})
+    core.ema.updates = int(state["ema_updates"])
+    if state.get("scaler") and core.scaler.is_enabled():
+        core.scaler.load_state_dict(state["scaler"])
+    core.progress = progress_from(state["progress"])
+    core.sync_sampler_from_progress()
+
+
 def state_step(state: Mapping[str, Any]) -> int:
     return int(state["progress"]["step"])
 

@@ -83,8 +83,10 @@ def _shard(layout: list[tuple[torch.Tensor, int, int]], lo: int, hi: int) -> lis
 
 # A collective that sends each rank `splits[r]` bytes of `payload` (in rank order) and returns what
 # every rank sent this one, concatenated in rank order: Horovod's alltoall, torch's
-# all_to_all_single. Its third argument numbers the calls of one transfer (one per device).
-AllToAll = Callable[[torch.Tensor, list[int], int], torch.Tensor]
+# all_to_all_single. Its third argument is what this rank receives from each rank (known to every
+# rank from the layout: an engine whose all-to-all needs it passes it on instead of exchanging
+# the sizes first); its fourth numbers the calls of one transfer (one per device).
+AllToAll = Callable[[torch.Tensor, list[int], list[int], int], torch.Tensor]
 
 
 def send_shards(tensors: list[torch.Tensor], senders: list[int], receivers: list[int], *, rank: int, size: int,
@@ -101,9 +103,13 @@ def send_shards(tensors: list[torch.Tensor], senders: list[int], receivers: list
     for i, (device, ts) in enumerate(sorted(by_device.items(), key=lambda kv: str(kv[0]))):
         layout = _byte_layout(ts)
         total = sum(n for _, _, n in layout)
-        splits = [0] * size
+        splits, incoming = [0] * size, [0] * size
+        bounds = shard_bounds(total, len(senders))
+        if rank in receivers:
+            for j, sender in enumerate(senders):
+                incoming[sender] = bounds[j][1] - bounds[j][0]
         if rank in senders:
-            lo, hi = shard_bounds(total, len(senders))[senders.index(rank)]
+            lo, hi = bounds[senders.index(rank)]
             shard = _shard(layout, lo, hi)
             payload = torch.cat(shard * len(receivers)) if receivers and hi > lo else \
                 torch.empty(0, dtype=torch.uint8, device=device)
@@ -111,7 +117,7 @@ def send_shards(tensors: list[torch.Tensor], senders: list[int], receivers: list
                 splits[r] = hi - lo
         else:
             payload = torch.empty(0, dtype=torch.uint8, device=device)
-        received = alltoall(payload, splits, i)
+        received = alltoall(payload, splits, incoming, i)
         if rank not in receivers:
             continue
         assert received.numel() == total, (received.numel(), total)  # shards arrive in rank order

@@ -7,7 +7,9 @@ import torch
 
 from elasticyolo.train.state_shares import send_shards as _send_shards
 
-def hvd_alltoall(payload: torch.Tensor, splits: list[int], index: int) -> torch.Tensor:
+
+def hvd_alltoall(payload: torch.Tensor, splits: list[int], incoming: list[int], index: int) -> torch.Tensor:
+    """Horovod's alltoall exchanges the split sizes itself: `incoming` is not needed."""
     received, _ = hvd.alltoall(payload, splits=torch.tensor(splits, dtype=torch.int32), name=f"sync.shards.{index}")
     return received  # type: ignore[no-any-return]
 

@@ -53,7 +53,7 @@ from elasticyolo.train.checkpointing import open_checked_store
 from elasticyolo.train.core import TrainCore
 from elasticyolo.train.loop import ProgressSink, Summary
 from elasticyolo.train.snapshots import finish_snapshot_on_sigterm, send_state
-from elasticyolo.train.state import clone_state, core_state, load_core_state, progress_dict, progress_from, state_step
+from elasticyolo.train.state import core_state, load_core_state, progress_dict, progress_from, roll_back, state_step
 from elasticyolo.train.state_shares import apply_plain, prime_optimizer_state, send_shards, signature, state_tensors
 from elasticyolo.worker_runtime import worker_errors
 from elasticyolo.worker_runtime.collective_abort import CollectiveAborter
@@ -174,13 +174,9 @@ class TorchCollectives:
         return int(t.item())
 
 
-def torch_alltoall(payload: torch.Tensor, splits: list[int], index: int) -> torch.Tensor:
-    """`state_shares.AllToAll` over the default process group: the split sizes first (so each
-    rank knows what it receives), then the bytes."""
-    size, rank = dist.get_world_size(), dist.get_rank()
-    everyone = [torch.zeros(size, dtype=torch.int64) for _ in range(size)]
-    guarded(lambda: dist.all_gather(everyone, torch.tensor(splits, dtype=torch.int64)))
-    incoming = [int(everyone[r][rank]) for r in range(size)]
+def torch_alltoall(payload: torch.Tensor, splits: list[int], incoming: list[int], index: int) -> torch.Tensor:
+    """`state_shares.AllToAll` over the default process group: one `all_to_all_single`, with the
+    sizes every rank derives from the layout."""
     out = torch.empty(sum(incoming), dtype=torch.uint8, device=payload.device)
     guarded(lambda: dist.all_to_all_single(out, payload, incoming, splits))
     return out
@@ -209,8 +205,10 @@ class InPlaceCommit(EngineCommit):
 
     def agree(self) -> None:
         # After the snapshot (a peer dying here costs no node its snapshot of this commit), before
-        # rank 0's checkpoint (which would hold every peer at this collective for its copy).
-        self._change_seen = bool(self.world.collectives.max_int(self.flag()))
+        # rank 0's checkpoint (which would hold every peer at this collective for its copy). A
+        # commit that the step's all-reduce forced is agreed already (every rank saw the flag).
+        if not self._change_seen:
+            self._change_seen = bool(self.world.collectives.max_int(self.flag()))
 
     def check(self) -> None:
         if self._change_seen:
@@ -453,8 +451,8 @@ class TorchWorld(WorkerWorld):
         if all(e[1] == everyone[0][1] for e in everyone):
             # The holders send their state in shares, as raw bytes (train/state_shares.py).
             receivers = [r for r in range(coll.size) if r not in holders]
-            # Read again, not reused from the signature above: a holder's roll-back loads the
-            # commit into new optimizer tensors.
+            # Read again, not reused from the signature above: a holder's roll-back may have
+            # loaded the commit into new optimizer tensors (`train.state.roll_back`).
             tensors, plain = state_tensors([core.model, core.ema.ema], core.optimizer)
             self._phases["rolled_back_s"] = time.perf_counter()
             send_shards(tensors, holders, receivers, rank=coll.rank, size=coll.size, alltoall=torch_alltoall)
@@ -480,11 +478,11 @@ class TorchWorld(WorkerWorld):
         return "peer"
 
     def _roll_back(self, core: TrainCore) -> None:
-        """The core at `saved` again: loaded only if it trained past it (a world left at a commit
-        holds exactly the committed state)."""
+        """The core at `saved` again, only if it trained past it (a world left at a commit holds
+        exactly the committed state); `saved` stays the rollback point."""
         if self.past_commit:
             assert self.saved is not None
-            load_core_state(core, clone_state(self.saved))  # training writes into what it loads
+            roll_back(core, self.saved)
             self.past_commit = False
 
     def _leave(self, runner: WorkerRunner) -> None:
