@@ -1,10 +1,10 @@
-"""Recovery benchmark for the Horovod engine, side by side with its baselines, in one run:
+"""Recovery benchmark for both engines, side by side with their baselines, in one run:
 
-* `elasticyolo`   - `elasticyolo agent` daemons (engine=horovod: the leader's agent runs Horovod's
-                    ElasticDriver with etcd discovery; node agents launch pre-warmed workers);
+* `elasticyolo`   - `elasticyolo agent` daemons with engine=horovod (the leader's agent runs
+                    Horovod's ElasticDriver with etcd discovery; node agents launch pre-warmed workers);
 * `horovodrun`    - stock `horovodrun --gloo` elastic with a host discovery script (same worker);
-* `elasticyolo-torch` - the same agents with engine=torch (torch elastic on our etcd v3
-                    rendezvous; it restarts the world on every membership change);
+* `elasticyolo-torch` - the same agents with engine=torch (the default: the survivors' workers
+                    re-form their process group in place, engines/torch/worker.py);
 * `torchrun-c10d` - stock `torchrun --rdzv-backend=c10d`, which restarts the world on every
                     membership change (the torch engine's worker: same TrainCore/model/data; see
                     bench/recovery_torch.py, whose runner is reused).

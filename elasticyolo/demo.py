@@ -158,7 +158,7 @@ def run_demo(epochs: int = 16, keep: bool = False, workdir: Path | None = None,
             rec = c.nodes()["n1"]
             show("n1 prices", f"{rec.get('instance_type')} (from its metadata) at ${rec.get('price_per_hour')}/h spot, "
                               f"${rec.get('on_demand_per_hour')}/h on demand ({PRICE_TABLE.name})")
-            say(f"leader: {c.leader()}; submitting the job (engine=horovod, checkpoint={STORE})")
+            say(f"leader: {c.leader()}; submitting the job (engine=torch, the default; checkpoint={STORE})")
             # Every rank validates its shard together at epoch ends and joiners are pre-warmed, so a
             # short Gloo timeout is safe; it bounds how long survivors wait on a dead peer.
             # Mosaic off: at 128 px it shrinks objects below what a few dozen steps can learn.

@@ -80,7 +80,7 @@ def start(c: AgentCluster, dataset: Path, *extra: str) -> None:
     for n in ("a", "b", "c"):
         c.start(n)
     c.wait(lambda: c.ready(["a", "b", "c"]) and c.leader(), 30, "three agents and a leader")
-    c.submit("model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
+    c.submit("engine=horovod", "model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
              "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
              "gloo_timeout_s=10", "cooldown_s=1,4", *extra)
 
@@ -131,7 +131,7 @@ def test_a_deterministic_worker_error_fails_the_job_with_its_reason(cluster: Age
     for n in ("a", "b"):
         c.start(n)
     c.wait(lambda: c.ready(["a", "b"]) and c.leader(), 30, "two agents and a leader")
-    c.submit("model=yolov8n.yaml", f"data={missing}", "epochs=2", "imgsz=64", "batch=4", "val=false",
+    c.submit("engine=horovod", "model=yolov8n.yaml", f"data={missing}", "epochs=2", "imgsz=64", "batch=4", "val=false",
              "min_nodes=1", "gloo_timeout_s=10", "cooldown_s=1,4")
     c.wait(lambda: c.job_state() == "failed", START_S, "the job to fail")
     status = c.status()

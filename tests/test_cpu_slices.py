@@ -230,7 +230,7 @@ def test_a_node_trains_on_its_accelerator_and_runs_everything_else_on_its_host(
         assert agent is not None
         assert f"/{slices.host_parent.name}/n1\n" in open(f"/proc/{agent.pid}/cgroup").read()
         assert psutil.Process(agent.pid).cpu_affinity() == host_cpus()  # a host is not pinned
-        cluster.submit("model=yolov8n.yaml", f"data={data}", "epochs=1000", "imgsz=64", "batch=4", "val=false",
+        cluster.submit("engine=horovod", "model=yolov8n.yaml", f"data={data}", "epochs=1000", "imgsz=64", "batch=4", "val=false",
                        "amp=false", "workers=0", "warmup_epochs=0", "save_period_steps=2",
                        f"checkpoint=file://{tmp_path / 'ckpt'}")
         cluster.wait(lambda: cluster.client.get(cluster.keys.checkpoint_latest), 240, "a checkpoint")

@@ -211,3 +211,34 @@ def test_executor_stop_plan() -> None:
 def test_horovod_plan(situation: DrainSituation, expected: DrainPlan) -> None:
     assert plan_drain(situation) == expected
     assert plan_drain(situation).holds_leadership == bool(expected.quiesce and expected.quiesce.hold)
+
+
+# ---- the torch engine's planner ----------------------------------------------------------------
+STOP_THEN_READ = DrainPlan(DrainMode.STOP, survivors_report=True)
+
+
+def test_a_stop_whose_survivors_report_waits_for_their_lost_steps() -> None:
+    """The torch engine: the stopped worker leaves at its next commit, the others train on and
+    say what they lost in their resume record."""
+    done = DrainProgress()
+    assert decide(STOP_THEN_READ, done, obs(now=10)) is Act.STOP_WORKERS
+    assert decide(STOP_THEN_READ, done, obs(now=11, workers=0)) is Act.NOTE_WORKER_GONE
+    done.worker_gone_at = 11
+    assert decide(STOP_THEN_READ, done, obs(now=12, workers=0)) is Act.WAIT
+    assert decide(STOP_THEN_READ, done, obs(now=12.5, workers=0, resume={"lost_steps": 0})) is Act.RECORD_RESUME
+    done.resume_known = True
+    assert decide(STOP_THEN_READ, done, obs(now=13, workers=0)) is Act.FINISH
+    late = DrainProgress(worker_gone_at=10)
+    assert decide(STOP_THEN_READ, late, obs(now=10 + RESUME_WAIT_S + 0.1, workers=0)) is Act.RESUME_UNKNOWN
+
+
+@pytest.mark.parametrize("situation, expected", [
+    (DrainSituation(has_work=True, other_slots=2, needed_slots=1), STOP_THEN_READ),
+    (DrainSituation(has_work=True, runs_coordinator=True, other_slots=1, needed_slots=1), STOP_THEN_READ),
+    (DrainSituation(has_work=True, other_slots=0, needed_slots=1), DrainPlan(DrainMode.STOP, last_node=True)),
+    (DrainSituation(has_work=True, other_slots=1, needed_slots=2), DrainPlan(DrainMode.STOP, last_node=True)),
+])
+def test_torch_plan(situation: DrainSituation, expected: DrainPlan) -> None:
+    from elasticyolo.engines.torch.engine import ENGINE
+
+    assert ENGINE.plan_drain(situation) == expected

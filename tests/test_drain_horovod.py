@@ -40,7 +40,7 @@ def metadata() -> Iterator[MetadataServer]:
 
 
 def spec(data: Path, epochs: int, min_nodes: int = 1, *extra: str) -> list[str]:
-    return ["model=yolov8n.yaml", f"data={data}", f"epochs={epochs}", "imgsz=64", "batch=4", "nbs=4",
+    return ["engine=horovod", "model=yolov8n.yaml", f"data={data}", f"epochs={epochs}", "imgsz=64", "batch=4", "nbs=4",
             "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", f"min_nodes={min_nodes}",
             "gloo_timeout_s=5", "cooldown_s=1,4", *extra]
 

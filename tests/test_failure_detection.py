@@ -76,7 +76,7 @@ def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, da
     for n in ("a", "b", "c"):
         c.start(n)
     c.wait(lambda: c.ready(["a", "b", "c"]) and c.leader(), 30, "three agents and a leader")
-    c.submit("model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
+    c.submit("engine=horovod", "model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
              "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
              "gloo_timeout_s=30", "cooldown_s=1,2")
     c.wait(lambda: len(c.rank0_steps_after(0, 3)) >= 2, START_S, "steps at world size 3")

@@ -297,7 +297,7 @@ START_S, STEP_S = 240, 120
 def cluster_spec(weights_uri: str, data: Path, checkpoints: str, epochs: int) -> list[str]:
     # 16 images, batch 4, nbs 4: 2 steps an epoch at world 2, 4 at world 1; a commit every step and
     # a checkpoint every 2, all kept, so every one of them can be checked.
-    return [f"model={weights_uri}", f"data={data}", f"freeze={FROZEN}", f"epochs={epochs}", "imgsz=64", "batch=4",
+    return ["engine=horovod", f"model={weights_uri}", f"data={data}", f"freeze={FROZEN}", f"epochs={epochs}", "imgsz=64", "batch=4",
             "nbs=4", "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
             "gloo_timeout_s=5", "cooldown_s=1,4", f"checkpoint={checkpoints}", "save_period_steps=2",
             "keep_last=100"]

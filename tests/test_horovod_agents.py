@@ -36,7 +36,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def spec(data: Path, epochs: int) -> list[str]:
     # batch 4, nbs 4 -> accumulate 1: world 3 trains 12 images a step (2 steps an epoch); one commit
     # per step so the rollback point is exact; val off except where mAP is the point.
-    return ["model=yolov8n.yaml", f"data={data}", f"epochs={epochs}", "imgsz=64", f"batch={BATCH}", f"nbs={NBS}",
+    return ["engine=horovod", "model=yolov8n.yaml", f"data={data}", f"epochs={epochs}", "imgsz=64", f"batch={BATCH}", f"nbs={NBS}",
             "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "policy=linear",
             f"resize_warmup_steps={RAMP}", "min_nodes=2", "gloo_timeout_s=5", "cooldown_s=1,4"]
 

@@ -129,7 +129,7 @@ def test_partition_and_heal(lab: Lab, dataset: Path) -> None:
     for n in NODES:
         c.start(n, "--drain-timeout-s", "5", addr=net.members[n].addr, prefix=net.prefix(n))
     c.wait(lambda: c.ready(list(NODES)) and c.leader(), 60, "three agents and a leader")
-    c.submit("model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
+    c.submit("engine=horovod", "model=yolov8n.yaml", f"data={dataset}", "epochs=400", "imgsz=64", "batch=4", "nbs=4",
              "warmup_epochs=0", "close_mosaic=0", "commit_every=1", "val=false", "min_nodes=1",
              "gloo_timeout_s=30", "cooldown_s=1,2")
     c.wait(lambda: len(c.rank0_steps_after(0, 3)) >= 2, START_S, "steps at world size 3")

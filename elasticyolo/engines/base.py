@@ -64,6 +64,14 @@ class DrainPlan:
     mode: DrainMode
     last_node: bool = False
     quiesce: Quiesce | None = None
+    # STOP: the survivors go on without a restart and report the steps they lost in their resume
+    # record (the torch engine: a stopped worker leaves at its next commit), so the drain reads it.
+    survivors_report: bool = False
+
+    @property
+    def reads_resume(self) -> bool:
+        """After its workers are gone, the drain waits for the survivors' resume record."""
+        return self.mode is DrainMode.LEAVE or self.survivors_report
 
     @property
     def holds_leadership(self) -> bool:

@@ -8,7 +8,9 @@ until `FINISH`. `tests/test_drain_decide.py` steps `decide` through every path w
 The plan (chosen once, by the engine's `plan_drain`, before the node is written DRAINING):
 
 * **stop**: stop this node's workers (SIGTERM, SIGKILL after a grace); engines that restart
-  their world on any change (torch elastic) recover from their newest snapshot.
+  their world on any change recover from their newest snapshot. With `survivors_report` (the
+  torch engine, whose stopped worker leaves at its next commit while the others keep training)
+  the drain then reads the survivors' `resume` record for the lost steps, as a leave does.
 * **leave** (Horovod, a node the world can lose): the node record goes DRAINING, discovery drops
   the node, the world re-forms without it at the next commit (no rollback). The worker is not
   killed: it gets rank -1 and exits by itself. Only when the deadline comes first is it killed
@@ -97,7 +99,7 @@ class DrainObservation:
 
 def decide(plan: DrainPlan, done: DrainProgress, obs: DrainObservation) -> Act:
     """The next act of the drain. Pure: no I/O, no clock."""
-    if plan.mode is DrainMode.STOP:
+    if plan.mode is DrainMode.STOP and (obs.workers_running or not plan.reads_resume):
         return Act.STOP_WORKERS if obs.workers_running else Act.FINISH
     if plan.mode is DrainMode.HANDOVER:
         if not done.request_written:
@@ -114,7 +116,7 @@ def decide(plan: DrainPlan, done: DrainProgress, obs: DrainObservation) -> Act:
         return Act.KILL_AT_DEADLINE if obs.now >= obs.deadline - obs.kill_lead_s else Act.WAIT
     if done.worker_gone_at is None:
         return Act.NOTE_WORKER_GONE
-    if plan.mode is DrainMode.LEAVE and not done.resume_known:
+    if plan.reads_resume and not done.resume_known:
         if obs.resume is not None:
             return Act.RECORD_RESUME
         if obs.now - done.worker_gone_at > RESUME_WAIT_S or obs.now >= obs.deadline:
@@ -184,7 +186,7 @@ class DrainExecutor:
             ack = self._read(self.node.keys.quiesce_ack)
             if ack is not None and (self.request is None or ack.get("id") != self.request["id"]):
                 ack = None
-        if plan.mode is DrainMode.LEAVE and done.worker_gone_at is not None and not done.resume_known:
+        if plan.reads_resume and done.worker_gone_at is not None and not done.resume_known:
             resume = self._read(self.node.keys.resume)
             if resume is not None and float(resume.get("at", 0)) <= (self.node.drain.started_at or 0.0):
                 resume = None

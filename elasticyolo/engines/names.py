@@ -24,7 +24,7 @@ BUILTIN = {
     "horovod": "elasticyolo.engines.horovod.engine:ENGINE",
     "torch": "elasticyolo.engines.torch.engine:ENGINE",
 }
-DEFAULT = "horovod"  # the spec's `engine` when it names none
+DEFAULT = "torch"  # the spec's `engine` when it names none: maintained upstream, nothing to build
 _in_process: dict[str, str] = {}  # name -> where, by `registry.register()`
 
 

@@ -33,6 +33,8 @@ class HorovodElasticJob:
         discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
         discover.chmod(0o755)
         total = sum(int(h.split(":")[1]) for h in hosts)
+        if not any(a.startswith("engine=") for a in worker_args):
+            worker_args = ["engine=horovod", *worker_args]  # horovodrun runs the Horovod engine's worker
         self.cmd = [
             str(VENV_BIN / "horovodrun"), "--gloo", "-np", str(np or total), "--min-np", str(min_np),
             "--max-np", str(max_np or total), "--host-discovery-script", str(discover),

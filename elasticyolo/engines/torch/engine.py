@@ -2,9 +2,9 @@
 Torch-free at import: the agent loads this; `worker_main` imports torch.
 
 Agent side: `node.py` (one `launcher.py` process per node keeps its slots' workers; the leader's
-`coordinator.py` publishes each world, decided by `world_plan.py`). Drain planner: stop, the
-default (the leaving worker asks to leave and exits at the next commit; the survivors keep their
-processes and their state). Worker: `worker.py`, started warm (`worker_runtime/prewarm.py`). A
+`coordinator.py` publishes each world, decided by `world_plan.py`). Drain planner: stop (the
+leaving worker asks to leave and exits at the next commit; the survivors keep their processes
+and their state, and report the steps lost, none, in their resume record). Worker: `worker.py`, started warm (`worker_runtime/prewarm.py`). A
 commit: the state kept in memory (the rollback point), a node-local snapshot at most every 10 s
 (a full restart's state) and the checkpoint when due, about every `commit_target_s` seconds of work.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from elasticyolo.engines.base import Engine, WorkerOptions
+from elasticyolo.engines.base import DrainMode, DrainPlan, DrainSituation, Engine, WorkerOptions
 
 if TYPE_CHECKING:
     from elasticyolo.agent.plugin import NodeAPI
@@ -25,6 +25,12 @@ class TorchEngine(Engine):
     name = "torch"
     commit_target_s = 2.0
     worker_modules = ("elasticyolo.engines.torch.worker", "elasticyolo.worker_runtime.progress")
+
+    def plan_drain(self, situation: DrainSituation) -> DrainPlan:
+        """Stop: the worker asks to leave and exits at the next commit. Where the others can train
+        on without this node, they resume at once and their resume record gives the lost steps."""
+        last = situation.other_slots < max(situation.needed_slots, 1)
+        return DrainPlan(DrainMode.STOP, last_node=last, survivors_report=not last)
 
     def node(self, agent: "NodeAPI") -> "TorchNode":
         from elasticyolo.engines.torch.node import TorchNode

@@ -11,7 +11,10 @@ leaves it out of the next world without waiting for any timeout; a worker that f
 again (from a warm process) after a back-off. SIGTERM asks every worker to leave at its next
 commit (the node drains or the job stops); the launcher exits once they have.
 
-Exit codes: 0 every worker finished the job; 143 stopped by SIGTERM; 1 the launcher failed.
+Exit codes (the workers' and the launcher's): 0 finished the job, one of them as rank 0 (which
+wrote the final checkpoint and the run folder: the job ends when it exits); `EXIT_FINISHED_ELSEWHERE`
+finished the job as other ranks (rank 0's node ends the job); 143 stopped by SIGTERM; 1 the
+launcher failed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from elasticyolo.worker_runtime.zygote import Zygote, zygote_enabled
 log = get_logger("elasticyolo.torch.launcher")
 
 EXIT_SIGTERM = 143
+EXIT_FINISHED_ELSEWHERE = 3
 POLL_S = 0.05  # how often the launcher looks at its workers
 
 
@@ -83,7 +87,7 @@ class Launcher:
     def __init__(self, settings: LaunchSettings, env: worker_env.WorkerEnv, pool: PrewarmPool | None) -> None:
         self.settings, self.env, self.pool = settings, env, pool
         self.workers: dict[int, Any] = {}  # slot -> its running process
-        self.finished: set[int] = set()  # slots whose worker finished the job (exit 0)
+        self.finished: dict[int, int] = {}  # slot -> its worker's exit code, for those that finished the job
         self.failures: dict[int, int] = {}
         self.retry_at: dict[int, float] = {}
         self.stopping = threading.Event()
@@ -122,9 +126,9 @@ class Launcher:
                 continue
             del self.workers[slot]
             self._forget_member(slot)
-            if rc == 0 and not self.stopping.is_set():
-                log.info("worker finished", slot=slot)
-                self.finished.add(slot)
+            if rc in (0, EXIT_FINISHED_ELSEWHERE) and not self.stopping.is_set():
+                log.info("worker finished", slot=slot, rank0=rc == 0)
+                self.finished[slot] = rc
             elif not self.stopping.is_set():
                 n = self.failures[slot] = self.failures.get(slot, 0) + 1
                 first, most = self.settings.retry_s
@@ -150,7 +154,7 @@ class Launcher:
                 if not self.workers:
                     return EXIT_SIGTERM
             elif len(self.finished) == self.settings.slots:
-                return 0
+                return 0 if 0 in self.finished.values() else EXIT_FINISHED_ELSEWHERE
             else:
                 now = time.monotonic()
                 for slot in range(self.settings.slots):

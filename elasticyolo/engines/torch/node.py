@@ -14,11 +14,15 @@ group (workers follow through PDEATHSIG).
 
 The launcher restarts a failed worker and never ends the job: the leader fails it when every
 node's workers crash in a loop (`engines/crash_loop.py`, applied by `crash_loop_watch.py`), with
-the workers' reason.
+the workers' reason. The job ends (done) when the node whose worker finished it as rank 0 sees
+its launcher exit 0: after the final checkpoint and the run folder are out. Nodes that finished
+as other ranks wait for that, and end the job themselves after `END_FALLBACK_S` if rank 0's node
+is gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -34,7 +38,9 @@ from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.engines.crash_loop_watch import CrashLoopWatch
 from elasticyolo.engines.node import EngineNode
 from elasticyolo.engines.torch.coordinator import WorldCoordinator
-from elasticyolo.engines.torch.launcher import LaunchSettings
+from elasticyolo.engines.base import DrainSituation
+from elasticyolo.engines.torch.launcher import EXIT_FINISHED_ELSEWHERE, LaunchSettings
+from elasticyolo.engines.torch.world_plan import MemberRecord
 from elasticyolo.log import get_logger
 from elasticyolo.worker_runtime.spawn import SupervisedProcess
 from elasticyolo.worker_runtime.worker_env import WorkerEnv, node_work_dir
@@ -46,6 +52,11 @@ if TYPE_CHECKING:
     from elasticyolo.engines.base import Engine
 
 log = get_logger("elasticyolo.torch.agent")
+
+# How long after finishing as other ranks a node waits for rank 0's node to end the job (its final
+# checkpoint and run folder uploads) before it ends the job itself.
+END_FALLBACK_S = 180.0
+
 
 class LauncherProcess(SupervisedProcess):
     """The node's launcher for one submission (`generation`)."""
@@ -70,6 +81,9 @@ class TorchNode(EngineNode):
         self._proc: LauncherProcess | None = None
         self._stopping: list[LauncherProcess] = []
         self._finished: set[int] = set()
+        # (generation, when): this node finished the job as other ranks than 0; rank 0's node ends
+        # it, and this node does if that has not happened by then (rank 0's node gone meanwhile).
+        self._end_fallback: tuple[int, float] | None = None
         self._failures = 0
         self._retry_at = 0.0
         # torch restarts failing workers forever: the job fails when they crash in a loop everywhere.
@@ -114,6 +128,20 @@ class TorchNode(EngineNode):
         self._stopping.clear()
 
     # ---- drain effects (engines/drain.py) -----------------------------------------------------
+    def drain_situation(self, agent: NodeAPI) -> DrainSituation:
+        """The other nodes' workers that can train on (their member records, not leaving)."""
+        spec = agent.job.spec
+        if spec is None or self._proc is None or self.running_workers() == 0:
+            return DrainSituation(has_work=self.running_workers() > 0)
+        others = 0
+        for _, value, _ in agent.client.get_prefix(agent.keys.torch_members(self._proc.generation)):
+            try:
+                rec = MemberRecord.from_json(json.loads(value))
+            except (ValueError, KeyError, TypeError):
+                continue
+            others += int(rec.node != self.cfg.node_id and not rec.leaving)
+        return DrainSituation(has_work=True, other_slots=others, needed_slots=spec.min_nodes * spec.slots)
+
     def running_workers(self) -> int:
         self._reap()
         return int(self._proc is not None) + len(self._stopping)
@@ -167,6 +195,10 @@ class TorchNode(EngineNode):
             self.errors.publish_pending(*self._work)
             self.crash_loop.publish(agent)
         gen = self.wanted(agent)
+        if self._end_fallback is not None and time.monotonic() >= self._end_fallback[1]:
+            log.warning("rank 0's node did not end the finished job; ending it", generation=self._end_fallback[0])
+            self._mark_done(agent, self._end_fallback[0])
+            self._end_fallback = None
         if self._proc is not None and not self._proc.running:
             self._finished_run(agent, self._proc)
             self._proc = None
@@ -185,6 +217,12 @@ class TorchNode(EngineNode):
             self._finished.add(lp.generation)
             self._failures = 0
             self._mark_done(agent, lp.generation)
+            return
+        if rc == EXIT_FINISHED_ELSEWHERE:
+            log.info("torch job finished on this node; rank 0's node ends it", generation=lp.generation)
+            self._finished.add(lp.generation)
+            self._failures = 0
+            self._end_fallback = (lp.generation, time.monotonic() + END_FALLBACK_S)
             return
         self._failures += 1
         delay = min(self.retry_s[0] * 2 ** (self._failures - 1), self.retry_s[1])

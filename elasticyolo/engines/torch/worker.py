@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from elasticyolo.engines.torch.launcher import EXIT_FINISHED_ELSEWHERE
 from elasticyolo.engines.torch.rendezvous import EtcdStore
 from elasticyolo.engines.torch.world_plan import World
 from elasticyolo.engines.torch.world_watch import WorldSource, WorldWatch
@@ -501,9 +502,12 @@ def main(spec: TrainSpec, *, commit_target_s: float, sinks: list[ProgressSink] |
     """The worker entry point (`elasticyolo worker` through the engine registry).
     `prepared`: by a warm process before its slot was handed over, else everything is built here."""
     world = TorchWorld(spec, prepared)
+    runner = WorkerRunner(spec, world, commit_target_s=commit_target_s, sinks=sinks, progress=progress)
     try:
-        WorkerRunner(spec, world, commit_target_s=commit_target_s, sinks=sinks, progress=progress).run()
+        summary = runner.run()
     finally:
         if world.watch is not None:
             world.watch.stop()
-    os._exit(0)  # a process group abandoned mid-collective must not hold the exit
+    # Finished as another rank than 0: rank 0's node ends the job, once its run folder is out.
+    elsewhere = summary is not None and not world.static and runner.core.rank != 0
+    os._exit(EXIT_FINISHED_ELSEWHERE if elsewhere else 0)  # a group abandoned mid-collective must not hold the exit
