@@ -19,8 +19,9 @@ needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found"
 
 
 @needs_trace
-@pytest.mark.timeout(1200)  # ~4.5 min on 2 idle cores (~9 slow: accuracy, two replays); more when other jobs share them
-@pytest.mark.parametrize("accuracy", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~4.5 min on 2 idle cores (~9 with accuracy, two replays): `make test-slow`
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("accuracy", [False, True])
 def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
     # Hours 1.43-1.53 at K=3, F=20: 3 nodes, one gets a 6 s notice at 9.6 s, one joins at 12.6 s.
