@@ -190,6 +190,8 @@ def test_kill_one_of_two_agents_then_a_third_joins(etcd_server, job_name, datase
     # fresh process started because the zygote failed; one per node: none was restarted.
     warming = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == WARMING_EVENT]
     assert len(warming) == 3 and all(r.get("forked") for r in warming), warming
+    # ... and the warm process is the one that trained (handed its slot, not passed over)
+    assert workers <= {r["pid"] for r in warming}, (workers, warming)
     # ... and each node's zygote was forked from its launcher: a node imports torch once.
     zygotes = [r for a in job.agents.values() for r in a.log_records() if r.get("event") == "zygote started"]
     assert zygotes and all(r.get("forked_from") for r in zygotes), zygotes

@@ -103,7 +103,10 @@ class Launcher:
         proc = None
         if self.pool is not None and not self.pool.gave_up:
             self.pool.fill(running_slots=set(self.workers))
-            proc = self.pool.take(slot, self._slot_env(slot), ready_only=False)
+            # The spec goes with the slot's environment: a warm process is handed over only for
+            # the spec it was built for.
+            proc = self.pool.take(slot, {worker_env.ENV_SPEC: self.env.spec_json or "", **self._slot_env(slot)},
+                                  ready_only=False)
         if proc is None:
             proc = spawn(worker_command(), {**os.environ, **self._slot_env(slot)}, cwd=self.env.worker_dir)
             threading.Thread(target=pump_output, args=(log.bind(slot=slot, pid=proc.pid), proc.stdout),
