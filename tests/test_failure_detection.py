@@ -93,6 +93,10 @@ def test_failures_are_seen_before_the_lease(slow_lease_cluster: AgentCluster, da
     c.wait(lambda: time.time() - t1 > 2 * HEARTBEAT_TIMEOUT_S, 10, "the frozen agent to be suspect")  # the freeze must last
     t_suspect = time.time()
     c.wait(lambda: len(c.rank0_steps_after(t_suspect, 3)) >= 2, STEP_S, "world 3 stepping on while x's agent is silent")
+    # Each rank traces a step before its all-reduce: the others' lines of rank 0's last step may
+    # still be to come, so wait for every worker's line, then check they are the same processes.
+    c.wait(lambda: {e["pid"] for e in c.steps() if e["t"] > t_suspect} >= workers, STEP_S,
+           "every worker stepping while x's agent is silent")
     assert not c.steps(world=2), "the world dropped the node whose agent alone froze"
     assert {e["pid"] for e in c.steps() if e["t"] > t_suspect} == workers
     assert not [e for e in c.events() if e["ev"] == "resume" and e["t"] > t1], "the world re-formed"
