@@ -52,6 +52,18 @@ class CoordinatorMemory:
     missing_since: dict[str, float] = field(default_factory=dict)  # node -> first read without its record
 
 
+def member_records(client: "EtcdClient", prefix: str) -> dict[str, MemberRecord]:
+    """member -> its record, for the readable records under `prefix` (`JobKeys.torch_members`)."""
+    records = {}
+    for _, value, _ in client.get_prefix(prefix):
+        try:
+            rec = MemberRecord.from_json(json.loads(value))
+        except (ValueError, KeyError, TypeError):
+            continue
+        records[rec.member] = rec
+    return records
+
+
 def nodes_gone(present: set[str], wanted: set[str], memory: CoordinatorMemory, now: float, grace_s: float) -> set[str]:
     """The nodes in `wanted` whose record has been missing longer than `grace_s` (updates `memory`)."""
     for node in present:
@@ -139,13 +151,7 @@ class WorldCoordinator:
         """One read, decide, write. Returns the world it published, if any."""
         keys, now = self.keys, time.monotonic()
         world_kv = client.get(keys.world)
-        records = {}
-        for _, value, _ in client.get_prefix(self.members_prefix):
-            try:
-                rec = MemberRecord.from_json(json.loads(value))
-            except (ValueError, KeyError, TypeError):
-                continue
-            records[rec.member] = rec
+        records = member_records(client, self.members_prefix)
         node_recs = {key[len(keys.nodes):]: value for key, value, _ in client.get_prefix(keys.nodes)}
         current, revision = None, 0
         if world_kv is not None:

@@ -22,7 +22,6 @@ is gone.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -37,10 +36,9 @@ from elasticyolo.cluster.jobs import set_job_state
 from elasticyolo.cluster.settings import EtcdSettings
 from elasticyolo.engines.crash_loop_watch import CrashLoopWatch
 from elasticyolo.engines.node import EngineNode
-from elasticyolo.engines.torch.coordinator import WorldCoordinator
+from elasticyolo.engines.torch.coordinator import WorldCoordinator, member_records
 from elasticyolo.engines.base import DrainSituation
 from elasticyolo.engines.torch.launcher import EXIT_FINISHED_ELSEWHERE, LaunchSettings
-from elasticyolo.engines.torch.world_plan import MemberRecord
 from elasticyolo.log import get_logger
 from elasticyolo.worker_runtime.spawn import SupervisedProcess
 from elasticyolo.worker_runtime.worker_env import WorkerEnv, node_work_dir
@@ -130,16 +128,11 @@ class TorchNode(EngineNode):
     # ---- drain effects (engines/drain.py) -----------------------------------------------------
     def drain_situation(self, agent: NodeAPI) -> DrainSituation:
         """The other nodes' workers that can train on (their member records, not leaving)."""
-        spec = agent.job.spec
-        if spec is None or self._proc is None or self.running_workers() == 0:
-            return DrainSituation(has_work=self.running_workers() > 0)
-        others = 0
-        for _, value, _ in agent.client.get_prefix(agent.keys.torch_members(self._proc.generation)):
-            try:
-                rec = MemberRecord.from_json(json.loads(value))
-            except (ValueError, KeyError, TypeError):
-                continue
-            others += int(rec.node != self.cfg.node_id and not rec.leaving)
+        spec, running = agent.job.spec, self.running_workers()
+        if spec is None or self._proc is None or running == 0:
+            return DrainSituation(has_work=running > 0)
+        records = member_records(agent.client, agent.keys.torch_members(self._proc.generation))
+        others = sum(1 for r in records.values() if r.node != self.cfg.node_id and not r.leaving)
         return DrainSituation(has_work=True, other_slots=others, needed_slots=spec.min_nodes * spec.slots)
 
     def running_workers(self) -> int:
