@@ -52,7 +52,9 @@ class AgentProcess:
         env = {**inherited, "ELASTICYOLO_LOG_FORMAT": "json", "ELASTICYOLO_WORK_DIR": str(self.log_dir / "nodes"),
                **self.env}
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+        # A session of its own, as under systemd: the agent sets its session's priority (priority.py).
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
         log.close()
         return self
 

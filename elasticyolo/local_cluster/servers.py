@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticyolo.errors import UserError
-from elasticyolo.priority import ETCD_NICE, nice_prefix
+from elasticyolo.priority import ETCD_NICE, priority_prefix
 
 DEPLOY_ETCD = Path(__file__).resolve().parents[2] / "deploy" / "etcd"
 
@@ -252,8 +252,8 @@ class EtcdCluster:
         state = "existing" if m.data_dir.exists() else "new"
         log = open(m.log_path, "ab")
         # At etcd's production priority (priority.py): a starved etcd lets every lease lapse at once.
-        m.proc = subprocess.Popen(nice_prefix(ETCD_NICE) + self._cmd(m, state), stdout=log, stderr=log,
-                                  stdin=subprocess.DEVNULL)
+        m.proc = subprocess.Popen(priority_prefix(ETCD_NICE) + self._cmd(m, state), stdout=log, stderr=log,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         if wait:
             self._wait_healthy(m, timeout)
