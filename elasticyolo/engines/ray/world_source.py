@@ -1,0 +1,70 @@
+"""A Ray training actor's `WorldSource` (`engines/torch/world_watch.py`): its member record goes to
+the job's controller actor (an actor call, in the order written), and the worlds the controller
+publishes come from the job's store (`store.py`): `world/<uuid>` for each world, `world/latest`
+for the newest. A thread waits on the next world's key with its own store connection (a
+`TCPStore` client serves one request at a time, and Gloo uses the process group's own), so a
+world is seen as soon as it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from elasticyolo.engines.ray import store as job_store
+from elasticyolo.engines.torch.world_plan import MemberRecord
+from elasticyolo.engines.torch.world_watch import POLL_S, WorldFeed
+from elasticyolo.log import get_logger
+
+log = get_logger("elasticyolo.ray.worker")
+
+LATEST_KEY = "world/latest"
+
+
+def world_key(uuid: int) -> str:
+    return f"world/{uuid}"
+
+
+class RayWorldSource(WorldFeed):
+    def __init__(self, controller: Any, host: str, port: int, generation: int, node: str, slot: int,
+                 incarnation: int) -> None:
+        super().__init__(generation, node, slot, incarnation)
+        self.controller = controller
+        self.store = job_store.client(host, port)
+        self._stop = threading.Event()
+
+    def _write(self, record: MemberRecord) -> None:
+        self.record = record
+        self.controller.record.remote(json.dumps(record.to_json()))
+
+    def start(self) -> None:
+        self._read()
+        threading.Thread(target=self._pump, name="ray-world-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _read(self) -> None:
+        try:
+            if self.store.check([LATEST_KEY]):
+                latest = int(self.store.get(LATEST_KEY))
+                if latest > self.latest_uuid():
+                    self._offer(self.store.get(world_key(latest)))
+        except (dist.DistError, ValueError) as exc:  # the controller is gone: the next try
+            log.debug("world unreadable", error=str(exc))
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            key = world_key(self.latest_uuid() + 1)
+            try:
+                self.store.wait([key], timedelta(seconds=POLL_S))
+                self._offer(self.store.get(key))
+            except dist.DistStoreError:
+                self._read()  # none within POLL_S (or this worker started behind: take the newest)
+            except dist.DistError as exc:
+                log.debug("world watch failed", error=str(exc))
+                self._stop.wait(POLL_S)
