@@ -180,8 +180,7 @@ class JobController:
         selector = None
         if self.ever_held:
             selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(self.ever_held))})"} for _ in bundles]
-        self.pending = placement_group(bundles, strategy="STRICT_PACK", name=f"elasticyolo-{self.config.job}",
-                                       bundle_label_selector=selector)
+        self.pending = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
 
     def _adopt_pending(self) -> None:
         pg = self.pending

@@ -139,7 +139,7 @@ def submit(spec: TrainSpec | Iterable[str], job: str, *, address: str | None = N
     options: dict[str, Any] = {"name": controller_name(job), "namespace": NAMESPACE, "lifetime": "detached",
                                "num_cpus": 0, "max_concurrency": 16, "max_restarts": 0}
     if head is not None:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
     if runtime_env:
         options["runtime_env"] = runtime_env
     controller = ray.remote(JobController).options(**options).remote(config)

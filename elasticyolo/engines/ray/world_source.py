@@ -23,6 +23,9 @@ from elasticyolo.log import get_logger
 log = get_logger("elasticyolo.ray.worker")
 
 LATEST_KEY = "world/latest"
+# A wait for the next world's key is renewed this often (c10d logs a warning at each renewal; a
+# world written meanwhile ends the wait at once).
+WAIT_S = 5.0
 
 
 def world_key(uuid: int) -> str:
@@ -61,10 +64,10 @@ class RayWorldSource(WorldFeed):
         while not self._stop.is_set():
             key = world_key(self.latest_uuid() + 1)
             try:
-                self.store.wait([key], timedelta(seconds=POLL_S))
+                self.store.wait([key], timedelta(seconds=WAIT_S))
                 self._offer(self.store.get(key))
             except dist.DistStoreError:
-                self._read()  # none within POLL_S (or this worker started behind: take the newest)
+                self._read()  # none within WAIT_S (or this worker started behind: take the newest)
             except dist.DistError as exc:
                 log.debug("world watch failed", error=str(exc))
                 self._stop.wait(POLL_S)
