@@ -9,6 +9,7 @@ node lost (a full restart from S3). Every finished epoch trained each sample onc
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -120,3 +121,106 @@ def test_a_node_killed_mid_epoch_the_survivor_reforms_in_memory(ray_cluster: Loc
     job.wait(lambda: max(e["epoch"] for e in job.events("step")) >= 2, 180, "two epochs done")
     assert job.check_exactly_once() >= 1
     print(f"\nTIMING ray engine kill_to_next_step={step1['t'] - t_kill:.2f}s")
+
+
+def test_a_node_added_to_the_cluster_joins_at_a_commit(ray_cluster: LocalRayCluster, ray_job: RayJob,
+                                                        dataset: Path) -> None:
+    """`ray start` of a new node (here: `add`): the controller's pending placement group lands on
+    it, a training actor pre-warms there and joins; the running world leaves at a commit, so no
+    step it trained is lost, and its process stays."""
+    job = ray_job
+    a = ray_cluster.add()
+    job.submit(spec_pairs(dataset, epochs=200))
+    job.wait(lambda: len(job.steps_after(0, 1)) >= 4, 180, "four steps at world 1")
+    a_name = a.node_id[:12]
+    a_pid = max(job.pids(a_name))
+
+    t_join = time.time()
+    b = ray_cluster.add()
+    job.wait(lambda: {e["rank"] for e in job.steps_after(t_join, 2)} == {0, 1}, 180, "world 2 with the new node")
+    by_node = {e["node"]: e for e in job.events("resume") if e["t"] > t_join}
+    b_name = b.node_id[:12]
+    assert set(by_node) == {a_name, b_name}, by_node
+    assert (by_node[a_name]["pid"], by_node[a_name]["source"]) == (a_pid, "memory"), by_node
+    assert by_node[b_name]["source"] == "peer" and by_node[a_name]["step"] == by_node[b_name]["step"], by_node
+    assert by_node[a_name]["params_digest"] == by_node[b_name]["params_digest"]
+    before = [e["step"] for e in job.events("step", pid=a_pid) if e["t"] < by_node[a_name]["t"]]
+    assert by_node[a_name]["step"] == max(before), (by_node[a_name], max(before))  # no step thrown away
+    steps_a = sorted(e["t"] for e in job.events("step", pid=a_pid))
+    pause = max(t2 - t1 for t1, t2 in zip(steps_a, steps_a[1:]) if t2 > t_join)
+    job.wait(lambda: max(e["epoch"] for e in job.events("step")) >= 2, 180, "two epochs done")
+    assert job.check_exactly_once() >= 1
+    print(f"\nTIMING ray engine join: longest gap between the survivor's steps {pause:.2f}s")
+
+
+def test_a_spot_notice_drains_its_node_with_no_step_lost(ray_cluster: LocalRayCluster, ray_job: RayJob,
+                                                          dataset: Path, tmp_path: Path) -> None:
+    """The project's spot watcher runs on every node (slot 0's actor); a notice file appears for
+    one node: its actor leaves at the next commit, the survivor goes on from that commit in its
+    process, and the node is let go. No step is lost (the survivor's resume record says 0)."""
+    job = ray_job
+    a, b = ray_cluster.add(), ray_cluster.add()
+    notice = tmp_path / "notice-{node}"
+    job.submit(spec_pairs(dataset, epochs=200),
+               notices={"notice_file": str(notice), "poll_interval_s": 0.2})
+    job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 180,
+             "both ranks past step 4 at world 2")
+    a_name, b_name = a.node_id[:12], b.node_id[:12]
+    a_pid = max(job.pids(a_name))
+
+    t_notice = time.time()
+    written = tmp_path / "notice.tmp"
+    written.write_text(json.dumps({"in_s": 60}))
+    written.rename(str(notice).replace("{node}", b_name))
+    job.wait(lambda: job.steps_after(t_notice, 1), 60, "a step at world 1")
+    resume_a = [e for e in job.events("resume", node=a_name) if e["t"] > t_notice][0]
+    assert (resume_a["world"], resume_a["source"], resume_a["pid"]) == (1, "memory", a_pid), resume_a
+    before = [e["step"] for e in job.events("step") if e["t"] < resume_a["t"]]
+    assert resume_a["step"] == max(before), (resume_a, max(before))  # the world left at its last step
+    view = job.wait(lambda: (v := job.status())["nodes"] and len(v["nodes"]) == 1 and v, 30, "the node let go")
+    assert view["last_resume"]["lost_steps"] == 0, view["last_resume"]
+    kinds = [e["kind"] for e in view["events"]]
+    assert kinds[:3] == ["notice", "drain_start", "drain_end"], view["events"]
+    assert [e["lost_steps"] for e in view["events"] if e["kind"] == "drain_end"] == [0]
+    job.wait(lambda: max(e["epoch"] for e in job.events("step")) >= 2, 180, "two epochs done")
+    assert job.check_exactly_once() >= 1
+    print(f"\nTIMING ray engine drain: notice -> world 1 step "
+          f"{job.steps_after(t_notice, 1)[0]['t'] - t_notice:.2f}s")
+
+
+def test_every_node_lost_the_job_restarts_from_s3(ray_cluster: LocalRayCluster, ray_job: RayJob, dataset: Path,
+                                                  s3_server: Any) -> None:
+    """Every training node killed: nothing is left in memory or on a node. The controller (on the
+    head node) waits; a new node comes, and its actor restores the newest checkpoint from S3."""
+    import boto3
+
+    from elasticyolo.checkpoint import open_store, read_latest
+
+    job = ray_job
+    boto3.client("s3", endpoint_url=s3_server.endpoint_url, **_aws(s3_server)).create_bucket(Bucket="ray-restart")
+    uri = "s3://ray-restart/jobs"
+    a = ray_cluster.add()
+    job.submit(spec_pairs(dataset, epochs=200, checkpoint=uri, save_period_steps=3), env=s3_server.env())
+    for k, v in s3_server.env().items():
+        os.environ.setdefault(k, v)
+    store = open_store(uri)
+    saved = job.wait(lambda: (m := read_latest(store, job.name)) is not None and m.global_step >= 6 and m, 240,
+                     "a checkpoint at step >= 6 in S3")
+    ray_cluster.kill(a.node_id)
+    job.wait(lambda: not job.status()["nodes"], 30, "every node let go")
+    saved = read_latest(store, job.name)
+    assert saved is not None
+
+    t_new = time.time()
+    c = ray_cluster.add()
+    resume = job.wait(lambda: [e for e in job.events("resume") if e["t"] > t_new], 180, "training again")[0]
+    assert resume["node"] == c.node_id[:12] and resume["source"] == "store", resume
+    assert resume["step"] >= saved.global_step, (resume, saved)
+    job.wait(lambda: job.steps_after(t_new, 1), 60, "a step after the restart")
+    assert job.status()["state"] == "running"
+
+
+def _aws(s3_server: Any) -> dict[str, str]:
+    env = s3_server.env()
+    return {"aws_access_key_id": env["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+            "region_name": env["AWS_DEFAULT_REGION"]}
