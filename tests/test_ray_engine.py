@@ -24,6 +24,8 @@ from elasticyolo.engines import ray as ray_jobs  # noqa: E402
 from elasticyolo.local_cluster.ray_cluster import LocalRayCluster  # noqa: E402
 from elasticyolo.local_cluster.trace import coverage_by_epoch, read_trace  # noqa: E402
 from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
+from elasticyolo.errors import UserError  # noqa: E402
+from elasticyolo.status import render_table  # noqa: E402
 
 N_TRAIN = 32
 
@@ -96,6 +98,16 @@ def ray_job(ray_cluster: LocalRayCluster, tmp_path: Path, request: pytest.Fixtur
     ray_cluster.remove_all()
 
 
+def test_fewer_nodes_with_room_than_min_nodes_is_one_line(ray_cluster: LocalRayCluster, ray_job: RayJob,
+                                                          dataset: Path) -> None:
+    ray_cluster.add()
+    with pytest.raises(UserError) as got:
+        ray_job.submit(spec_pairs(dataset, epochs=1, min_nodes=2))
+    assert "has 1 node(s) with room for 1 slot(s)" in str(got.value) and "min_nodes=2" in str(got.value)
+    assert "\n" not in str(got.value)
+    assert ray_job.status()["state"] == "none"  # nothing was started or written
+
+
 def test_a_node_killed_mid_epoch_the_survivor_reforms_in_memory(ray_cluster: LocalRayCluster, ray_job: RayJob,
                                                                   dataset: Path) -> None:
     a, b = ray_cluster.add(), ray_cluster.add()
@@ -109,6 +121,8 @@ def test_a_node_killed_mid_epoch_the_survivor_reforms_in_memory(ray_cluster: Loc
     a_name, b_name = a.node_id[:12], b.node_id[:12]
     assert set(nodes) == {a_name, b_name}, nodes
     a_pid = max(job.pids(a_name))
+    table = render_table(view)
+    assert "ENGINE" not in table and "WORLD 2" in table and a_name in table and b_name in table, table
 
     t_kill = time.time()
     ray_cluster.kill(b.node_id)

@@ -77,6 +77,7 @@ class Held:
     actors: dict[int, SlotActor] = field(default_factory=dict)
     draining: dict[str, Any] | None = None  # the notice
     lost: bool = False
+    host: str | None = None
     started_at: float = field(default_factory=time.time)
 
 
@@ -191,10 +192,11 @@ class JobController:
             return
         ray_node = placement_group_table(pg)["bundles_to_node_id"][0]
         name = node_name(ray_node)
+        host = next((n.get("NodeManagerAddress") for n in ray.nodes() if n["NodeID"] == ray_node), None)
         with self.lock:
             self.pending = None
             self.ever_held.add(ray_node)
-            self.held[name] = Held(pg, ray_node, [Slot.EMPTY] * self.config.slots)
+            self.held[name] = Held(pg, ray_node, [Slot.EMPTY] * self.config.slots, host=host)
         log.info("node taken", node=name, ray_node=ray_node)
 
     def _start_actor(self, name: str, slot: int) -> None:
@@ -335,7 +337,7 @@ class JobController:
         for name, h in sorted(self.held.items()):
             state = "DRAINING" if h.draining is not None else ("LOST" if h.lost else "TRAINING")
             out.append({"id": name, "ray_node_id": h.ray_node_id, "state": state, "slots": len(h.slots),
-                        "notice": h.draining, "started_at": h.started_at})
+                        "host": h.host, "notice": h.draining, "started_at": h.started_at})
         return out
 
     def _publish_nodes(self) -> None:

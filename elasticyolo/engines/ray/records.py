@@ -91,7 +91,7 @@ def collect(kv: GcsKV, keys: JobKeys) -> dict[str, Any]:
             "notice": n.get("notice"), "price_per_hour": None, "on_demand_per_hour": None, "price_source": None,
             "started_at": started, "spent_usd": None, "host": n.get("host"), "addr": n.get("host"),
             "instance_type": None, "zone": None, "agent_version": None, "data": None, "refused": None,
-            "ray_node_id": n.get("ray_node_id"), "pids": n.get("pids", []),
+            "ray_node_id": n.get("ray_node_id"),
         })
     epochs_done = _epochs_done(progress)
     job_cost = cost.job_cost(nodes, now, [])
