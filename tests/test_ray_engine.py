@@ -238,3 +238,32 @@ def _aws(s3_server: Any) -> dict[str, str]:
     env = s3_server.env()
     return {"aws_access_key_id": env["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
             "region_name": env["AWS_DEFAULT_REGION"]}
+
+
+def test_ray_draining_a_node_for_preemption_drains_it_with_no_step_lost(ray_cluster: LocalRayCluster,
+                                                                        ray_job: RayJob, dataset: Path) -> None:
+    """Ray's own preemption notice (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`, which
+    Ray's autoscaler and KubeRay send for a preempted node): the controller reads Ray's drain state
+    and drains the node as on a spot notice."""
+    import subprocess
+    import sys
+
+    job = ray_job
+    a, b = ray_cluster.add(), ray_cluster.add()
+    job.submit(spec_pairs(dataset, epochs=200))
+    job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 180,
+             "both ranks past step 4 at world 2")
+    a_name = a.node_id[:12]
+    a_pid = max(job.pids(a_name))
+    t_drain = time.time()
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    subprocess.run([ray_cli, "drain-node", "--address", ray_cluster.address, "--node-id", b.node_id,
+                    "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption",
+                    "--deadline-remaining-seconds", "60"], check=True, capture_output=True, timeout=60)
+    job.wait(lambda: job.steps_after(t_drain, 1), 60, "a step at world 1")
+    resume_a = [e for e in job.events("resume", node=a_name) if e["t"] > t_drain][0]
+    assert (resume_a["world"], resume_a["source"], resume_a["pid"]) == (1, "memory", a_pid), resume_a
+    view = job.wait(lambda: (v := job.status())["nodes"] and len(v["nodes"]) == 1 and v, 30, "the node let go")
+    assert view["last_resume"]["lost_steps"] == 0, view["last_resume"]
+    assert [e["provider"] for e in view["events"] if e["kind"] == "notice"] == ["ray"], view["events"]
+    assert [e["lost_steps"] for e in view["events"] if e["kind"] == "drain_end"] == [0]

@@ -43,6 +43,7 @@ log = get_logger("elasticyolo.ray.controller")
 
 TICK_S = 0.1
 PING_S = 1.0  # an actor that does not answer a ping this long after its world failed is lost
+DRAIN_READ_S = 0.5  # how often Ray's own drain state is read
 START_FAILURES = 3  # training actors that raised before joining: the job fails with the last one's error
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -105,6 +106,7 @@ class JobController:
         self.events: list[dict[str, Any]] = []
         self.ended = False
         self.start_failures = 0
+        self._drain_read_at = 0.0
         self._thread = threading.Thread(target=self._run, name="ray-job-controller", daemon=True)
         self.kv.put_json(self.keys.leader, {"node_id": node_name(self.node_id), "pid": os.getpid()})
         self._publish_state()
@@ -126,11 +128,13 @@ class JobController:
             if held is None or held.draining is not None or not notice.get("drain", True):
                 return
             held.draining = notice
+            deadline = notice.get("deadline")
+            left = round(float(deadline) - time.time(), 1) if isinstance(deadline, (int, float)) else None
             self._event({"kind": "notice", "node": node, "provider": notice.get("source"),
-                         "notice_kind": notice.get("kind"), "drain": True,
-                         "seconds_left": round(float(notice.get("deadline", time.time())) - time.time(), 1)})
-            self._event({"kind": "drain_start", "node": node, "reason": "spot notice",
-                         "deadline_in_s": round(float(notice.get("deadline", time.time())) - time.time(), 1)})
+                         "notice_kind": notice.get("kind"), "drain": True, "seconds_left": left})
+            self._event({"kind": "drain_start", "node": node,
+                         "reason": "Ray drains the node" if notice.get("source") == "ray" else "spot notice",
+                         "deadline_in_s": left})
         log.info("spot notice: draining", node=node)
         self.wake.set()
 
@@ -156,6 +160,9 @@ class JobController:
 
     def _tick(self) -> None:
         alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        for name in self._draining_in_ray():
+            self.notice(name, {"action": "drain", "kind": "ray-drain", "source": "ray", "drain": True,
+                               "deadline": None, "received_at": time.time()})
         self._adopt_pending()
         self._collect_results()
         self._check_failed_world()
@@ -176,6 +183,26 @@ class JobController:
         self._publish_nodes()
 
     # ---- nodes -------------------------------------------------------------------------------
+    def _draining_in_ray(self) -> list[str]:
+        """The held nodes Ray is draining (`ray drain-node`, the autoscaler, KubeRay on a spot
+        preemption): the autoscaler's view of the cluster (`autoscaler.v2.sdk`), read at most
+        every `DRAIN_READ_S`."""
+        now = time.monotonic()
+        if now - self._drain_read_at < DRAIN_READ_S:
+            return []
+        self._drain_read_at = now
+        try:
+            from ray.autoscaler.v2.sdk import get_cluster_resource_state
+            from ray.core.generated.autoscaler_pb2 import NodeStatus
+
+            state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
+            draining = {ns.node_id.hex() for ns in state.node_states if ns.status == NodeStatus.DRAINING}
+        except Exception as exc:  # noqa: BLE001 - an older Ray or a GCS hiccup: the spot watcher still drains
+            log.debug("Ray's drain state unreadable", error=str(exc))
+            return []
+        with self.lock:
+            return [name for name, h in self.held.items() if h.ray_node_id in draining and h.draining is None]
+
     def _ask_for_node(self) -> None:
         bundles = [dict(self.config.bundle) for _ in range(self.config.slots)]
         selector = None
