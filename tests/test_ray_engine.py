@@ -202,36 +202,46 @@ def test_a_spot_notice_drains_its_node_with_no_step_lost(ray_cluster: LocalRayCl
           f"{job.steps_after(t_notice, 1)[0]['t'] - t_notice:.2f}s")
 
 
-def test_every_node_lost_the_job_restarts_from_s3(ray_cluster: LocalRayCluster, ray_job: RayJob, dataset: Path,
-                                                  s3_server: Any) -> None:
+def test_every_node_lost_the_job_restarts_from_s3_and_runs_to_the_end(ray_cluster: LocalRayCluster, ray_job: RayJob,
+                                                                      dataset: Path, s3_server: Any) -> None:
     """Every training node killed: nothing is left in memory or on a node. The controller (on the
-    head node) waits; a new node comes, and its actor restores the newest checkpoint from S3."""
+    head node) waits; a new node comes, and its actor restores the newest checkpoint from S3. The
+    job then runs to its end: state done, the final checkpoint and rank 0's Ultralytics run
+    folder in the store, every epoch trained each sample once across the restart."""
     import boto3
 
     from elasticyolo.checkpoint import open_store, read_latest
+    from elasticyolo.local_cluster.trace import assert_each_epoch_exactly_once
 
     job = ray_job
     boto3.client("s3", endpoint_url=s3_server.endpoint_url, **_aws(s3_server)).create_bucket(Bucket="ray-restart")
     uri = "s3://ray-restart/jobs"
+    epochs = 5
     a = ray_cluster.add()
-    job.submit(spec_pairs(dataset, epochs=200, checkpoint=uri, save_period_steps=3), env=s3_server.env())
+    job.submit(spec_pairs(dataset, epochs=epochs, checkpoint=uri, save_period_steps=3), env=s3_server.env())
     for k, v in s3_server.env().items():
         os.environ.setdefault(k, v)
     store = open_store(uri)
-    saved = job.wait(lambda: (m := read_latest(store, job.name)) is not None and m.step >= 6 and m, 240,
-                     "a checkpoint at step >= 6 in S3")
+    job.wait(lambda: (m := read_latest(store, job.name)) is not None and m.step >= 6, 240,
+             "a checkpoint at step >= 6 in S3")
     ray_cluster.kill(a.node_id)
     job.wait(lambda: not job.status()["nodes"], 30, "every node let go")
     saved = read_latest(store, job.name)
-    assert saved is not None
+    assert saved is not None and saved.reason != "final", saved
 
     t_new = time.time()
     c = ray_cluster.add()
     resume = job.wait(lambda: [e for e in job.events("resume") if e["t"] > t_new], 180, "training again")[0]
     assert resume["node"] == c.node_id[:12] and resume["source"] == "store", resume
     assert resume["step"] >= saved.step, (resume, saved)
-    job.wait(lambda: job.steps_after(t_new, 1), 60, "a step after the restart")
-    assert job.status()["state"] == "running"
+
+    view = job.wait(lambda: (v := job.status())["state"] == "done" and v, 240, "the job done")
+    assert view["epoch"] == epochs and not view["nodes"], view  # the epoch counter after the last one
+    final = read_latest(store, job.name)
+    assert final is not None and final.reason == "final", final
+    run = {o.key for o in store.list(f"{job.name}/run/")}
+    assert {f"{job.name}/run/results.csv", f"{job.name}/run/weights/last.pt"} <= run, sorted(run)
+    assert_each_epoch_exactly_once(read_trace(job.trace_dir), epochs, N_TRAIN)
 
 
 def _aws(s3_server: Any) -> dict[str, str]:
