@@ -272,14 +272,12 @@ class JobController:
 
     # ---- actors ------------------------------------------------------------------------------
     def _collect_results(self) -> None:
-        refs = {id(a.result): (name, slot, a) for name, h in list(self.held.items())
-                for slot, a in h.actors.items()}
-        if not refs:
+        by_ref = {a.result: (name, slot, a) for name, h in list(self.held.items()) for slot, a in h.actors.items()}
+        if not by_ref:
             return
-        pending = [a.result for _, _, a in refs.values()]
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
         for ref in ready:
-            name, slot, actor = next(v for v in refs.values() if v[2].result is ref)
+            name, slot, actor = by_ref[ref]
             held = self.held.get(name)
             if held is None:
                 continue
