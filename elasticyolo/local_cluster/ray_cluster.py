@@ -24,8 +24,12 @@ class LocalRayCluster:
         import ray
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH_CHECK})
+        head = {"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH_CHECK}
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        except Exception:  # noqa: BLE001 - Ray gives a raylet 30 s to register: once more on a loaded host
+            ray.shutdown()
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self.address = self.cluster.address
         self.nodes: dict[str, Any] = {}
         self._count = 0

@@ -64,6 +64,10 @@ class RayWorld(TorchWorld):
         super().__init__(spec, prepared)
         self.setup = setup
 
+    @property
+    def cuda_index(self) -> int:
+        return ray_cuda_index(self.local_rank)
+
     def connect(self, runner: WorkerRunner) -> tuple[Any, Callable[[int], WorldSource]]:
         s = self.setup
         store = AbortableStore(s.store_host, s.store_port, timedelta(seconds=ENTER_TIMEOUT_S))
@@ -76,6 +80,13 @@ class RayWorld(TorchWorld):
             stop()
         else:
             self.leave_requested.set()
+
+
+def ray_cuda_index(slot: int) -> int:
+    """Ray shows an actor only the GPUs it was given (`CUDA_VISIBLE_DEVICES`): its GPU is 0."""
+    import ray
+
+    return 0 if ray.get_gpu_ids() else slot
 
 
 class TrainingActor:
@@ -95,8 +106,8 @@ class TrainingActor:
         os.chdir(worker_dir)
         self.spec = TrainSpec.from_json(setup.spec_json, where="the Ray job's spec")
         quiet_ultralytics()
-        core = TrainCore(self.spec, rank=0, world=1, local_rank=setup.slot, work_dir=worker_env.read().run_dir,
-                         local_size=setup.slots)
+        core = TrainCore(self.spec, rank=0, world=1, local_rank=ray_cuda_index(setup.slot),
+                         work_dir=worker_env.read().run_dir, local_size=setup.slots)
         core.warm_up()  # its first step would otherwise stall the world it joins
         self.prepared = prepare_worker(self.spec, core)
         core.loader.wait_ready(timeout=300)
