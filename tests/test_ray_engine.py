@@ -26,7 +26,6 @@ from elasticyolo.engines import ray as ray_jobs  # noqa: E402
 from elasticyolo.local_cluster.ray_cluster import LocalRayCluster  # noqa: E402
 from elasticyolo.local_cluster.trace import coverage_by_epoch, read_trace  # noqa: E402
 from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
-from elasticyolo.errors import UserError  # noqa: E402
 from elasticyolo.status import render_table  # noqa: E402
 
 N_TRAIN = 32
@@ -100,14 +99,28 @@ def ray_job(ray_cluster: LocalRayCluster, tmp_path: Path, request: pytest.Fixtur
     ray_cluster.remove_all()
 
 
-def test_fewer_nodes_with_room_than_min_nodes_is_one_line(ray_cluster: LocalRayCluster, ray_job: RayJob,
-                                                          dataset: Path) -> None:
+def test_the_cli_refuses_fewer_nodes_with_room_than_min_nodes_in_one_line_without_torch(
+        ray_cluster: LocalRayCluster, ray_job: RayJob, dataset: Path) -> None:
+    """`elasticyolo ray submit|status --address ...` against the cluster: too few nodes for
+    min_nodes is one line and starts nothing; `status --json` of a job never started says none.
+    The CLI never imports torch (the training actors do)."""
+    import subprocess
+    import sys
+
     ray_cluster.add()
-    with pytest.raises(UserError) as got:
-        ray_job.submit(spec_pairs(dataset, epochs=1, min_nodes=2))
-    assert "has 1 node(s) with room for 1 slot(s)" in str(got.value) and "min_nodes=2" in str(got.value)
-    assert "\n" not in str(got.value)
-    assert ray_job.status()["state"] == "none"  # nothing was started or written
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        code = ("import sys\nfrom elasticyolo.cli import main\nrc = main(%r)\n"
+                "assert 'torch' not in sys.modules, 'torch imported'\nsys.exit(rc)") % (list(args),)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+    got = cli("ray", "submit", "--address", ray_cluster.address, "--job", ray_job.name,
+              *spec_pairs(dataset, epochs=1, min_nodes=2))
+    assert got.returncode == 2 and got.stderr.count("\n") == 1, got.stderr
+    assert "has 1 node(s) with room for 1 slot(s)" in got.stderr and "min_nodes=2" in got.stderr, got.stderr
+    got = cli("ray", "status", "--address", ray_cluster.address, "--job", ray_job.name, "--json")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["state"] == "none"  # nothing was started or written
 
 
 def test_a_node_killed_mid_epoch_then_a_node_added_joins_at_a_commit(ray_cluster: LocalRayCluster,
