@@ -141,11 +141,6 @@ class JobController:
     def cancel(self, reason: str = "cancelled") -> None:
         self._end("cancelled", reason)
 
-    def describe(self) -> dict[str, Any]:
-        with self.lock:
-            return {"state": self.state, "world": self.world.to_json() if self.world else None,
-                    "nodes": self._nodes_record()}
-
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self.ended:
