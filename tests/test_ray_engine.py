@@ -282,3 +282,37 @@ def test_ray_draining_a_node_for_preemption_drains_it_with_no_step_lost(ray_clus
     assert view["last_resume"]["lost_steps"] == 0, view["last_resume"]
     assert [e["provider"] for e in view["events"] if e["kind"] == "notice"] == ["ray"], view["events"]
     assert [e["lost_steps"] for e in view["events"] if e["kind"] == "drain_end"] == [0]
+
+
+@pytest.mark.slow
+def test_a_frozen_node_is_left_out_when_ray_declares_it_dead(ray_cluster: LocalRayCluster, ray_job: RayJob,
+                                                             dataset: Path) -> None:
+    """A whole node frozen (SIGSTOP of its raylet, its agents and its training actor: nothing is
+    closed, no collective fails). Ray's health checks declare it dead; the controller publishes
+    the next world with `abort`, and the survivor aborts the collective it is blocked in and
+    re-forms in memory, in its process."""
+    import os
+    import signal
+
+    job = ray_job
+    a, b = ray_cluster.add(), ray_cluster.add()
+    job.submit(spec_pairs(dataset, epochs=200))
+    job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 180,
+             "both ranks past step 4 at world 2")
+    a_name, b_name = a.node_id[:12], b.node_id[:12]
+    a_pid = max(job.pids(a_name))
+    frozen = ray_cluster.pids(b.node_id) + sorted(job.pids(b_name))
+    t_freeze = time.time()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        job.wait(lambda: job.steps_after(t_freeze, 1), 60, "a step at world 1")
+        resume_a = [e for e in job.events("resume", node=a_name) if e["t"] > t_freeze][0]
+        assert (resume_a["world"], resume_a["source"], resume_a["pid"]) == (1, "memory", a_pid), resume_a
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    print(f"\nTIMING ray engine frozen node -> next step {job.steps_after(t_freeze, 1)[0]['t'] - t_freeze:.2f}s")

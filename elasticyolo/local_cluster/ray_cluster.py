@@ -3,8 +3,9 @@
 
 The head node holds no slot (0 CPUs): it runs the GCS and the job controllers. Each training node
 has `cpus` CPUs and a `node-<n>` resource of 1 naming it. Ray's failure detection is tightened
-(health checks every 0.5 s, a node dead after 3 missed) so a removed node is declared dead within
-about 2 s, as a production cluster would configure it for fast recovery. Ray advertises this
+(a health check every 0.5 s that times out after 0.5 s, a node dead after 3 failed) so a dead or
+frozen node is declared dead within about 2-3 s, as a cluster would be configured for fast
+recovery (Ray's defaults wait longer: a frozen raylet's health checks each wait out their timeout). Ray advertises this
 host's own address (its driver resolves a loopback address to it): nothing leaves the host.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3,
                 "health_check_initial_delay_ms": 0}
 
 
@@ -48,6 +49,11 @@ class LocalRayCluster:
     def kill(self, node_id: str) -> None:
         """The node's raylet and every process on it killed at once (a VM gone)."""
         self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
+
+    def pids(self, node_id: str) -> list[int]:
+        """The processes Ray started for the node (raylet and agents; not its workers)."""
+        return [info.process.pid for infos in self.nodes[node_id].all_processes.values() for info in infos
+                if info.process is not None]
 
     def remove_all(self) -> None:
         for node_id in list(self.nodes):

@@ -102,6 +102,7 @@ class JobController:
         self.pending: PlacementGroup | None = None
         self.world: World | None = None
         self.pinged: set[int] = set()  # worlds whose failure was checked by pinging their actors
+        self.dead_members: set[str] = set()  # members whose actors Ray reported dead
         self.state: dict[str, Any] = {"state": "submitted", "generation": config.generation, "at": time.time()}
         self.events: list[dict[str, Any]] = []
         self.ended = False
@@ -115,6 +116,9 @@ class JobController:
     def start(self) -> dict[str, Any]:
         self._thread.start()
         return {"host": self.host, "port": self.port, "node": node_name(self.node_id)}
+
+    def hello(self) -> None:
+        """A training actor's first call (its Ray connection to this actor is then open)."""
 
     def record(self, raw: str) -> None:
         rec = MemberRecord.from_json(json.loads(raw))
@@ -285,6 +289,7 @@ class JobController:
                     mine = [m for m in self.records if m.startswith(f"{name}.{slot}.")]
                     for m in mine:
                         del self.records[m]
+                self.dead_members.update(mine)
                 held.slots[slot] = Slot.ENDED if held.draining is not None else Slot.EMPTY
                 if not mine and held.draining is None and actor_failed(exc):
                     self.start_failures += 1  # it died before it joined: a bad spec or environment
@@ -342,6 +347,11 @@ class JobController:
                                      max_nodes=self.config.max_nodes))
         if nxt is None:
             return
+        gone = set(self.world.members if self.world else ()) - set(nxt.members)
+        if gone & self.dead_members and not nxt.abort:
+            # A member Ray reported dead: a survivor may be blocked on it in a collective that never
+            # fails (a frozen node declared dead); the survivors abort it (`TorchWorld._on_world`).
+            nxt = replace(nxt, abort=True)
         value = json.dumps({**nxt.to_json(), "generation": self.config.generation, "at": time.time()})
         self.store.set(world_key(nxt.uuid), value)
         self.store.set(LATEST_KEY, str(nxt.uuid))

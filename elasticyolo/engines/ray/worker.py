@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import elasticyolo.train  # noqa: F401  (offline Ultralytics before anything imports it)
+import ray
 
 from elasticyolo.engines.ray.store import AbortableStore
 from elasticyolo.engines.ray.world_source import RayWorldSource
@@ -35,6 +36,7 @@ from elasticyolo.engines.torch.worker import ENTER_TIMEOUT_S, ENV_SLOT, ENV_SLOT
 from elasticyolo.engines.torch.world_watch import WorldSource
 from elasticyolo.log import get_logger
 from elasticyolo.spec import TrainSpec
+from elasticyolo.worker_runtime.collective_abort import CollectiveAborter
 from elasticyolo.worker_runtime.runner import WorkerRunner
 
 log = get_logger("elasticyolo.ray.worker")
@@ -70,6 +72,12 @@ class RayWorld(TorchWorld):
 
     def connect(self, runner: WorkerRunner) -> tuple[Any, Callable[[int], WorldSource]]:
         s = self.setup
+        # An abort shuts this process's collective connections (`TorchWorld._on_world`); Ray's own
+        # (to the raylet, the GCS, the controller, and into this actor) and the store's must stay.
+        # They are the ones open before the process group exists, and those to the store's port.
+        ray.get(s.controller.hello.remote(), timeout=60)  # Ray's connection to the controller: open now
+        ray_ports = tcp_local_ports()
+        self.aborter = CollectiveAborter(kept=lambda: (ray_ports, {s.store_port}))
         store = AbortableStore(s.store_host, s.store_port, timedelta(seconds=ENTER_TIMEOUT_S))
         return store, lambda incarnation: RayWorldSource(s.controller, s.store_host, s.store_port, s.generation,
                                                          s.node, self.local_rank, incarnation)
@@ -80,6 +88,13 @@ class RayWorld(TorchWorld):
             stop()
         else:
             self.leave_requested.set()
+
+
+def tcp_local_ports() -> set[int]:
+    """The local ports of this process's TCP sockets (connections and listeners)."""
+    import psutil
+
+    return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.laddr}
 
 
 def ray_cuda_index(slot: int) -> int:
