@@ -6,9 +6,9 @@ Its loop (a thread), every `TICK_S` or at once when something happens:
    training actors' `train()` results: an actor that died resolves its result with Ray's
    actor-death error (its worker process died, or its node did), which is the notification the
    controller acts on;
-2. when a member reports that its world's collective failed, pings the world's actors: one that
-   does not answer within `PING_S` is on a node that is gone or frozen (Ray itself declares a
-   node dead only after its health checks fail, seconds later);
+2. when a member reports that its world's collective failed, pings the world's other actors: one
+   that does not answer within `PING_S` is on a node that is gone or frozen (Ray itself declares
+   a node dead only after its health checks fail, seconds later);
 3. decides the cluster side with `plan.plan_cluster` (placement groups, actors, drains) and the
    next world with the torch engine's `plan_world`, and applies both: the world is written to the
    job's store (`store.py`, `world/<uuid>`), where every training actor waits for it;
@@ -42,7 +42,9 @@ from elasticyolo.log import get_logger
 log = get_logger("elasticyolo.ray.controller")
 
 TICK_S = 0.1
-PING_S = 1.0  # an actor that does not answer a ping this long after its world failed is lost
+# After a member reports that its world's collective failed, an actor of that world that did not
+# report it too and does not answer a ping within this long is lost (its node is gone or frozen).
+PING_S = 1.0
 DRAIN_READ_S = 0.5  # how often Ray's own drain state is read
 START_FAILURES = 3  # training actors that raised before joining: the job fails with the last one's error
 NODE_ID_LABEL = "ray.io/node-id"
@@ -98,7 +100,7 @@ class JobController:
         self.wake = threading.Event()
         self.records: dict[str, MemberRecord] = {}
         self.held: dict[str, Held] = {}
-        self.ever_held: set[str] = set()  # Ray node ids: a node is taken once (a drained one never again)
+        self.ever_held: set[str] = set()  # Ray node ids held or drained: the pending placement group avoids them
         self.pending: PlacementGroup | None = None
         self.world: World | None = None
         self.pinged: set[int] = set()  # worlds whose failure was checked by pinging their actors
@@ -263,6 +265,8 @@ class JobController:
             remove_placement_group(held.pg)
         except Exception as exc:  # noqa: BLE001 - gone with its node already
             log.debug("placement group not removed", error=str(exc))
+        if held.draining is None:
+            self.ever_held.discard(held.ray_node_id)  # alive again (a false loss), it may be taken again
         if held.draining is not None:
             self._event({"kind": "drain_end", "node": name, "mode": "leave", "lost_steps": 0,
                          "notice_to_drained_s": round(time.time() - float(held.draining.get("received_at")
@@ -311,13 +315,15 @@ class JobController:
         if world is None or world.uuid in self.pinged:
             return
         with self.lock:
-            failed = any(r.failed == world.uuid for r in self.records.values())
-        if not failed:
+            reported = {r.member for r in self.records.values() if r.failed == world.uuid}
+        if not reported:
             return
         self.pinged.add(world.uuid)
         by_member: dict[Any, str] = {}
         for member, node in zip(world.members, world.nodes):
             held = self.held.get(node)
+            if member in reported:
+                continue  # it reported the failure: alive (a busy host must not make it look dead)
             slot = int(member.split(".")[1])
             if held is not None and slot in held.actors:
                 by_member[held.actors[slot].handle.pid.remote()] = node

@@ -4,8 +4,9 @@ is the cluster side: which nodes the job holds, where training actors start, whi
 
 The job holds a node through a placement group of `slots` bundles packed on that node (one
 training actor per bundle). It asks for one more node at a time while it holds fewer than
-`max_nodes`: one pending placement group that no held node may take (a label selector on Ray's
-node id), which Ray places on the first node with room, and which an autoscaler sees as demand.
+`max_nodes`: one pending placement group that no held or drained node may take (a label selector
+on Ray's node id), which Ray places on the first node with room, and which an autoscaler sees as
+demand.
 
 * a held node whose Ray node died (Ray's node table), or that stopped answering while its world's
   collective failed (`lost`), is let go: its placement group removed, its actors killed; its
