@@ -172,15 +172,23 @@ def test_a_node_killed_mid_epoch_then_a_node_added_joins_at_a_commit(ray_cluster
 
 
 def test_a_spot_notice_drains_its_node_with_no_step_lost(ray_cluster: LocalRayCluster, ray_job: RayJob,
-                                                          dataset: Path, tmp_path: Path) -> None:
-    """The project's spot watcher runs on every node (slot 0's actor); a notice file appears for
-    one node: its actor leaves at the next commit, the survivor goes on from that commit in its
-    process, and the node is let go. No step is lost (the survivor's resume record says 0)."""
+                                                          dataset: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submitted with `elasticyolo ray submit --notice-file`: the project's spot watcher runs on
+    every node (slot 0's actor); a notice file appears for one node: its actor leaves at the next
+    commit, the survivor goes on from that commit in its process, and the node is let go. No step
+    is lost (the survivor's resume record says 0)."""
+    import subprocess
+    import sys
+
     job = ray_job
+    monkeypatch.setenv("ELASTICYOLO_TRACE_DIR", str(job.trace_dir))  # the nodes' processes inherit it
     a, b = ray_cluster.add(), ray_cluster.add()
     notice = tmp_path / "notice-{node}"
-    job.submit(spec_pairs(dataset, epochs=200),
-               notices={"notice_file": str(notice), "poll_interval_s": 0.2})
+    got = subprocess.run([sys.executable, "-m", "elasticyolo.cli", "ray", "submit", "--address", ray_cluster.address,
+                          "--job", job.name, "--notice-file", str(notice), "--work-dir", str(tmp_path / "nodes"),
+                          *spec_pairs(dataset, epochs=200)], capture_output=True, text=True, timeout=180)
+    assert got.returncode == 0 and f"job {job.name} submitted" in got.stdout, got.stderr
     job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 180,
              "both ranks past step 4 at world 2")
     a_name, b_name = a.node_id[:12], b.node_id[:12]
