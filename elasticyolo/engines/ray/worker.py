@@ -99,8 +99,6 @@ def tcp_local_ports() -> set[int]:
 
 def ray_cuda_index(slot: int) -> int:
     """Ray shows an actor only the GPUs it was given (`CUDA_VISIBLE_DEVICES`): its GPU is 0."""
-    import ray
-
     return 0 if ray.get_gpu_ids() else slot
 
 
