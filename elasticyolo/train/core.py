@@ -30,6 +30,7 @@ from elasticyolo.spec import TrainSpec
 from elasticyolo.train.loader import BatchLoader, LoaderStats, Request, loader_workers
 from elasticyolo.train.loader_worker import CLOSED_MOSAIC
 from elasticyolo.train.offline import disable_ultralytics_network
+from elasticyolo.train.eager_step import compile_free_optimizers, eager_step
 from elasticyolo.train.graphs import GraphedForward, wants_cuda_graphs
 from elasticyolo.train.layout import apply_layout, wants_channels_last
 from elasticyolo.train.policy import Scaling, resize_ramp, scaling_for
@@ -188,10 +189,12 @@ class TrainCore:
         base = scaling_for(spec.policy, spec.ref_world, batch=spec.batch, nbs=spec.nbs, ref_world=spec.ref_world)
         iterations = math.ceil(len(self.train_set) / max(spec.batch * spec.ref_world, spec.nbs)) * spec.epochs
         shim = SimpleNamespace(args=self.hyp, data=self.data)
+        compile_free_optimizers()  # neither this nor the steps import torch._dynamo (train/eager_step.py)
         self.optimizer = BaseTrainer.build_optimizer(
             shim, model=self.model, name=spec.optimizer, lr=spec.lr0, momentum=spec.momentum,
             decay=self._decay(base), iterations=iterations,
         )
+        eager_step(self.optimizer)
         for g in self.optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])
         self.lf: Callable[[float], float] = (

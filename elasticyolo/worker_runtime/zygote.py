@@ -1,10 +1,10 @@
-"""A zygote: one process per warm pool that imports what a worker needs once (torch and
-torch._dynamo, Ultralytics, boto3, the engine's worker module) and forks every warm worker from
-itself.
+"""A zygote: one process per warm pool that imports what a worker needs once (torch,
+Ultralytics, boto3, the engine's worker module) and forks every warm worker from itself.
 
-Why: a fresh warm worker spends ~4 of its ~4.8 CPU-s importing (2-core x86-64 VM: `import
-torch` 2.0 CPU-s, the `torch._dynamo` import that the first optimizer call makes 1.7, the engine's
-modules 0.5; model, datasets and warm-up pass 0.3). torch elastic replaces every node's worker at every change and
+Why: a fresh warm worker spends most of its CPU importing (2-core x86-64 VM: `import torch`
+2.0 CPU-s, the engine's modules 0.5; model, datasets and warm-up pass 0.3; and 1.7 more for
+`torch._dynamo`, which building or stepping an optimizer imports unless the worker's optimizers are
+compile-free, `train/eager_step.py`). torch elastic replaces every node's worker at every change and
 every node then rebuilds its standby beside training: 28-38 s on a 0.44-CPU replay node. A child
 forked from the zygote starts with the imports done and is warm after ~0.5 CPU-s. A node's first
 warm worker costs the full imports (the zygote does them first); every later one is cheap.
@@ -56,7 +56,7 @@ from elasticyolo.worker_runtime.worker_env import ENV_PARENT_PID, WorkerEnv
 
 ENV_ZYGOTE = "ELASTICYOLO_ZYGOTE"  # "0": warm workers start as fresh processes
 # What every worker imports, engine-neutral; the engine adds its `worker_modules`.
-PRELOAD = ("elasticyolo.train.core", "torch._dynamo", "boto3", "elasticyolo.commands.worker")
+PRELOAD = ("elasticyolo.train.core", "boto3", "elasticyolo.commands.worker")
 _MAX_MESSAGE = 1 << 20
 
 
