@@ -5,8 +5,13 @@ The head node holds no slot (0 CPUs): it runs the GCS and the job controllers. E
 has `cpus` CPUs and a `node-<n>` resource of 1 naming it. Ray's failure detection is tightened
 (a health check every 0.5 s that times out after 0.5 s, a node dead after 3 failed) so a dead or
 frozen node is declared dead within about 2-3 s, as a cluster would be configured for fast
-recovery (Ray's defaults wait longer: a frozen raylet's health checks each wait out their timeout). Ray advertises this
-host's own address (its driver resolves a loopback address to it): nothing leaves the host.
+recovery (Ray's defaults wait longer: a frozen raylet's health checks each wait out their timeout).
+
+Ray's nodes advertise, and are reached on, the address of the interface that holds the default
+route. The cluster is made inside a namespace with only `lo` up and no route
+(`local_cluster/netns.py`, `LoopbackNamespace().entered()`), where that address is 127.0.0.1:
+its nodes, their workers and the driver (this process) all talk over that namespace's loopback.
+It refuses to start where Ray would pick another address.
 """
 
 from __future__ import annotations
@@ -18,12 +23,21 @@ HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "
                 "health_check_initial_delay_ms": 0}
 
 
+LOOPBACK = "127.0.0.1"
+
+
 class LocalRayCluster:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.update(env or {})  # the nodes' processes (and so the actors) inherit it
         import ray
+        from ray._raylet import node_ip_address_from_perspective
         from ray.cluster_utils import Cluster
+
+        found = node_ip_address_from_perspective()  # what each node and the driver will advertise
+        if found != LOOPBACK:
+            raise RuntimeError(f"Ray would advertise {found}, not {LOOPBACK}: make the cluster inside a "
+                               "LoopbackNamespace (elasticyolo/local_cluster/netns.py)")
 
         head = {"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH_CHECK}
         try:
@@ -45,6 +59,15 @@ class LocalRayCluster:
         self.nodes[node.node_id] = node
         self.cluster.wait_for_nodes()
         return node
+
+    def head_node_id(self) -> str:
+        return self.cluster.head_node.node_id
+
+    def node_addresses(self) -> set[str]:
+        """The addresses the cluster's live nodes advertise (Ray's node table)."""
+        import ray
+
+        return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
 
     def kill(self, node_id: str) -> None:
         """The node's raylet and every process on it killed at once (a VM gone)."""
