@@ -8,6 +8,10 @@
                   `ray.train.report` at every epoch's end, Ray's defaults otherwise; the training
                   function is a plain Ultralytics loop written as Ray's documentation shows
                   (bench/ray_train_yolo.py).
+* `ray-train-tuned` - the same with two of Ray Train's waits shortened (not in the default run):
+                  the worker group's start timeout 10 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S,
+                  default 60: a restart that asks for the dead node's CPUs too waits it out) and
+                  `elastic_resize_monitor_interval_s=5` (default 60).
 
 Same model and data for both: yolov8n.yaml on 32 generated 64 px images (elasticyolo/data/synth.py),
 batch 4 per worker, gloo. The cluster (`local_cluster/ray_cluster.py`) runs on this host in a
@@ -31,7 +35,7 @@ survivor trains again, node C is added (`ray start`). Figures, from the workers'
 Each system runs --repeat times (default 3), interleaved; the table shows medians and the ratios
 elasticyolo / Ray Train.
 
-    nice -n 19 .venv/bin/python bench/ray_recovery.py [--repeat 3] [--which elasticyolo,ray-train]
+    nice -n 19 .venv/bin/python bench/ray_recovery.py [--repeat 3] [--which elasticyolo,ray-train,ray-train-tuned]
                                                       [--join-timeout 150] [--json out.json]
 """
 
@@ -58,6 +62,7 @@ from elasticyolo.local_cluster.netns import LoopbackNamespace, unavailable  # no
 from elasticyolo.local_cluster.trace import read_trace  # noqa: E402
 
 ALL = ("elasticyolo", "ray-train")
+TUNED = ["--start-timeout", "10", "--resize-interval", "5"]
 N_TRAIN = 32
 KILL_AT_STEP = 14
 NO_STEP_S = 180.0  # no step within this long after a kill counts as this long
@@ -96,12 +101,17 @@ class Elasticyolo(System):
 
 
 class RayTrain(System):
+    def __init__(self, cluster: Any, tmp: Path, data: Path, tuned: bool = False) -> None:
+        super().__init__(cluster, tmp, data)
+        self.tuned = tuned
+
     def start(self) -> None:
         self.node_file = self.tmp / "driver-node"
         log = open(self.tmp / "driver.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, str(BASELINE), "--address", self.cluster.address, "--data", str(self.data),
-             "--trace", str(self.trace), "--storage", str(self.tmp / "storage"), "--node-file", str(self.node_file)],
+             "--trace", str(self.trace), "--storage", str(self.tmp / "storage"), "--node-file", str(self.node_file),
+             *(TUNED if self.tuned else [])],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
@@ -128,7 +138,8 @@ def lost_steps(ev: list[dict[str, Any]], t_event: float) -> int | None:
 
 
 def run_one(name: str, cluster: Any, tmp: Path, data: Path, join_timeout: float) -> dict[str, Any]:
-    sys_: System = Elasticyolo(cluster, tmp, data) if name == "elasticyolo" else RayTrain(cluster, tmp, data)
+    sys_: System = (Elasticyolo(cluster, tmp, data) if name == "elasticyolo"
+                    else RayTrain(cluster, tmp, data, tuned=name == "ray-train-tuned"))
     out: dict[str, Any] = {}
     try:
         cluster.add()
@@ -232,10 +243,12 @@ def main() -> int:
         notes = sorted({r.get("error") or r.get("note") for r in res["runs"] if r.get("error") or r.get("note")})
         print(f"{name:12s} {_f(m['kill_s']):>7s} {_f(m['kill_lost']):>10s} {_f(m['join_total_s']):>13s} "
               f"{_f(m['join_pause_s']):>13s} {_f(m['join_lost']):>10s} {_f(m['step_s']):>7s}  {'; '.join(notes)}")
-    e, b = results.get("elasticyolo", {}).get("median", {}), results.get("ray-train", {}).get("median", {})
-    for key in ("kill_s", "join_total_s", "join_pause_s"):
-        if e.get(key) is not None and b.get(key):
-            print(f"{key} elasticyolo / ray-train: {e[key] / b[key]:.2f}")
+    e = results.get("elasticyolo", {}).get("median", {})
+    for base in ("ray-train", "ray-train-tuned"):
+        b = results.get(base, {}).get("median", {})
+        for key in ("kill_s", "join_total_s", "join_pause_s"):
+            if e.get(key) is not None and b.get(key):
+                print(f"{key} elasticyolo / {base}: {e[key] / b[key]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.keep:

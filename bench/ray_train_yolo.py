@@ -106,9 +106,15 @@ def main() -> int:
     ap.add_argument("--model", default="yolov8n.yaml")
     ap.add_argument("--imgsz", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--start-timeout", type=float, default=None,
+                    help="RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default: 60)")
+    ap.add_argument("--resize-interval", type=float, default=60.0,
+                    help="ScalingConfig(elastic_resize_monitor_interval_s) (Ray's default: 60)")
     ap.add_argument("--node-file", default=None, help="write the driver's Ray node id here (its controller's node)")
     args = ap.parse_args()
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # Ray Train v2 (the default in Ray 2.60 too)
+    if args.start_timeout is not None:  # Ray Train hands it to its controller
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = f"{args.start_timeout:g}"
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -121,7 +127,8 @@ def main() -> int:
         train_loop_config={"data": args.data, "trace": args.trace, "model": args.model, "imgsz": args.imgsz,
                            "batch": args.batch},
         scaling_config=ScalingConfig(num_workers=(args.min_workers, args.max_workers), use_gpu=False,
-                                     resources_per_worker={"CPU": 1}),
+                                     resources_per_worker={"CPU": 1},
+                                     elastic_resize_monitor_interval_s=args.resize_interval),
         run_config=RunConfig(name="ray-train-yolo", storage_path=args.storage,
                              failure_config=FailureConfig(max_failures=-1)),
     )
