@@ -75,3 +75,18 @@ def test_the_world_source_follows_the_controllers_worlds_and_sends_its_record(se
         assert controller.records[-1].leaving
     finally:
         source.stop()
+
+
+def test_reading_the_newest_world_does_not_wait_behind_the_watch_threads_wait(server: Any) -> None:
+    """The training thread re-reads the newest world every POLL_S while it waits for one; the watch
+    thread meanwhile blocks in a wait for the next world's key (WAIT_S). The read must not queue
+    behind that wait: a TCPStore client serves one request at a time."""
+    source = RayWorldSource(FakeController(), "127.0.0.1", server.port, 7, "n2", 0, 2)
+    source.start()
+    try:
+        time.sleep(0.3)  # the watch thread is in its wait for world 1
+        t0 = time.monotonic()
+        source._read()
+        assert time.monotonic() - t0 < 1.0  # not the wait's WAIT_S (5 s)
+    finally:
+        source.stop()

@@ -1,9 +1,11 @@
 """A Ray training actor's `WorldSource` (`engines/torch/world_watch.py`): its member record goes to
 the job's controller actor (an actor call, in the order written), and the worlds the controller
 publishes come from the job's store (`store.py`): `world/<uuid>` for each world, `world/latest`
-for the newest. A thread waits on the next world's key with its own store connection (a
-`TCPStore` client serves one request at a time, and Gloo uses the process group's own), so a
-world is seen as soon as it is written.
+for the newest. A thread waits on the next world's key with a store connection of its own, so a
+world is seen as soon as it is written. The reads of the newest world (`_read`, also the training
+thread's, every `POLL_S` while it waits for a world) go over another: a `TCPStore` client serves
+one request at a time, and a read queued behind the blocking wait would return only when that wait
+ends (up to `WAIT_S`), however soon the world came. Gloo uses the process group's own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class RayWorldSource(WorldFeed):
                  incarnation: int) -> None:
         super().__init__(generation, node, slot, incarnation)
         self.controller = controller
-        self.store = job_store.client(host, port)
+        self.store = job_store.client(host, port)  # reads
+        self.waiting_store = job_store.client(host, port)  # the watch thread's blocking waits
         self._stop = threading.Event()
 
     def _write(self, record: MemberRecord) -> None:
@@ -64,7 +67,7 @@ class RayWorldSource(WorldFeed):
         while not self._stop.is_set():
             key = world_key(self.latest_uuid() + 1)
             try:
-                self.store.wait([key], timedelta(seconds=WAIT_S))
+                self.waiting_store.wait([key], timedelta(seconds=WAIT_S))
                 self._offer(self.store.get(key))
             except dist.DistStoreError:
                 self._read()  # none within WAIT_S (or this worker started behind: take the newest)
