@@ -13,16 +13,17 @@
                   default 60: a restart that asks for the dead node's CPUs too waits it out) and
                   `elastic_resize_monitor_interval_s=5` (default 60).
 
-Same model and data for both: yolov8n.yaml on 32 generated 64 px images (elasticyolo/data/synth.py),
+Same model and data for all: yolov8n.yaml on 32 generated 64 px images (elasticyolo/data/synth.py),
 batch 4 per worker, gloo. The cluster (`local_cluster/ray_cluster.py`) runs on this host in a
 network namespace with only `lo` (`local_cluster/netns.py`; the benchmark's process enters it
 first): a head node with no CPUs (the GCS, elasticyolo's job controller, Ray Train's controller
-and driver), and training nodes of 1 CPU, one worker each. Ray's health checks are its tolerant setting
-(`TOLERANT_HEALTH_CHECK`: a node is declared dead after 10 missed checks of 1 s), so a raylet
-starved by other load is not declared dead; neither system waits for them to see a kill (both
-learn it from their collective failing). Schedule of one run: nodes A and B
-train at world 2; in their 4th epoch (step 14), B is killed (its raylet and every process on it at once, a VM gone); once the
-survivor trains again, node C is added (`ray start`). Figures, from the workers' step traces:
+and driver), and training nodes of 1 CPU, one worker each. Ray's health checks are at
+`TOLERANT_HEALTH_CHECK` (a node is declared dead after 10 missed checks of 1 s), so a raylet
+starved by other load is not declared dead. Both systems learn of a kill from their collective
+failing; Ray Train's restart at the smaller size also waits until Ray has declared the node dead.
+Schedule of one run: nodes A and B train at world 2; in their 4th epoch (step 14), B is killed
+(every process of the node at once, a VM gone); once the survivor trains again, node C is added.
+Figures, from the workers' step traces:
 
   kill_s        B killed -> the first step of the world without it;
   kill_lost     steps trained before the kill that were trained again (rolled back);
