@@ -1,0 +1,109 @@
+"""A Ray cluster of several nodes on this host, for tests and benchmarks of `engine=ray`
+(`ray.cluster_utils.Cluster`: one GCS and raylet per node, real processes).
+
+The head node holds no slot (0 CPUs): it runs the GCS and the job controllers. Each training node
+has `cpus` CPUs and a `node-<n>` resource of 1 naming it. Ray's failure detection is tightened
+(a health check every 0.5 s that times out after 0.5 s, a node dead after 3 failed) so a dead or
+frozen node is declared dead within about 2-3 s, as a cluster would be configured for fast
+recovery (Ray's defaults wait longer: a frozen raylet's health checks each wait out their timeout).
+
+Ray's nodes advertise, and are reached on, the address of the interface that holds the default
+route. The cluster is made inside a namespace with only `lo` up and no route
+(`local_cluster/netns.py`, `LoopbackNamespace().entered()`), where that address is 127.0.0.1:
+its nodes, their workers and the driver (this process) all talk over that namespace's loopback.
+It refuses to start where Ray would pick another address.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3,
+                "health_check_initial_delay_ms": 0}
+# For long runs on a busy host (benchmarks at low priority): a raylet starved of CPU for a few
+# seconds is not declared dead (a dead node is, within about 10-20 s).
+TOLERANT_HEALTH_CHECK = {**HEALTH_CHECK, "health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                         "health_check_failure_threshold": 10}
+
+
+LOOPBACK = "127.0.0.1"
+
+
+class LocalRayCluster:
+    def __init__(self, env: dict[str, str] | None = None, health_check: dict[str, int] | None = None) -> None:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.update(env or {})  # the nodes' processes (and so the actors) inherit it
+        import ray
+        from ray._raylet import node_ip_address_from_perspective
+        from ray.cluster_utils import Cluster
+
+        found = node_ip_address_from_perspective()  # what each node and the driver will advertise
+        if found != LOOPBACK:
+            raise RuntimeError(f"Ray would advertise {found}, not {LOOPBACK}: make the cluster inside a "
+                               "LoopbackNamespace (elasticyolo/local_cluster/netns.py)")
+
+        head = {"num_cpus": 0, "include_dashboard": False, "_system_config": health_check or HEALTH_CHECK}
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        except Exception:  # noqa: BLE001 - Ray gives a raylet 30 s to register: once more on a loaded host
+            ray.shutdown()
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        self.address = self.cluster.address
+        self.nodes: dict[str, Any] = {}
+        self._count = 0
+        ray.init(address=self.address, namespace="elasticyolo", log_to_driver=False, logging_level="ERROR",
+                 configure_logging=False)
+
+    def add(self, cpus: int = 1) -> Any:
+        """A training node; returns Ray's node object (`.node_id`)."""
+        self._count += 1
+        name = f"node-{self._count}"
+        node = self.cluster.add_node(num_cpus=cpus, resources={name: 1})
+        self.nodes[node.node_id] = node
+        self.cluster.wait_for_nodes()
+        return node
+
+    def head_node_id(self) -> str:
+        return self.cluster.head_node.node_id
+
+    def node_addresses(self) -> set[str]:
+        """The addresses the cluster's live nodes advertise (Ray's node table)."""
+        import ray
+
+        return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+
+    def kill(self, node_id: str) -> None:
+        """Every process of the node killed at once (a VM gone): its raylet, its agents and its
+        workers (the raylet's children: a worker outlives its raylet by up to a second, and
+        trains on meanwhile), then Ray's own clean-up of the node."""
+        import psutil
+
+        procs: list[psutil.Process] = []
+        for pid in self.pids(node_id):
+            try:
+                proc = psutil.Process(pid)
+                procs += [proc, *proc.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
+
+    def pids(self, node_id: str) -> list[int]:
+        """The processes Ray started for the node (raylet and agents; not its workers)."""
+        return [info.process.pid for infos in self.nodes[node_id].all_processes.values() for info in infos
+                if info.process is not None]
+
+    def remove_all(self) -> None:
+        for node_id in list(self.nodes):
+            self.kill(node_id)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
