@@ -32,7 +32,7 @@ from elasticyolo.engines import ray as ray_jobs  # noqa: E402
 from elasticyolo.local_cluster.netns import LoopbackNamespace, unavailable  # noqa: E402
 from elasticyolo.local_cluster.ray_cluster import LocalRayCluster  # noqa: E402
 from elasticyolo.local_cluster.servers import S3Server  # noqa: E402
-from elasticyolo.local_cluster.trace import coverage_by_epoch, read_trace  # noqa: E402
+from elasticyolo.local_cluster.trace import TraceEvents, coverage_by_epoch, read_trace  # noqa: E402
 from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
 from elasticyolo.status import render_table  # noqa: E402
 
@@ -89,12 +89,12 @@ def without_ray_route_warning(stderr: str) -> str:
     return RAY_NO_ROUTE_WARNING.sub("", stderr)
 
 
-class RayJob:
+class RayJob(TraceEvents):
     """One job on the shared cluster: its submission, its records and its workers' traces."""
 
     def __init__(self, cluster: LocalRayCluster, tmp: Path, name: str) -> None:
+        super().__init__(tmp / "trace")
         self.cluster, self.tmp, self.name = cluster, tmp, name
-        self.trace_dir = tmp / "trace"
 
     def submit(self, pairs: list[str], **kw: Any) -> dict[str, Any]:
         env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), **kw.pop("env", {})}
@@ -103,16 +103,6 @@ class RayJob:
 
     def status(self) -> dict[str, Any]:
         return ray_jobs.status(self.name)
-
-    def events(self, ev: str | None = None, **match: Any) -> list[dict[str, Any]]:
-        out = read_trace(self.trace_dir) if self.trace_dir.exists() else []
-        return [e for e in out if (ev is None or e["ev"] == ev) and all(e.get(k) == v for k, v in match.items())]
-
-    def steps_after(self, t: float, world: int) -> list[dict[str, Any]]:
-        return [e for e in self.events("step", world=world) if e["t"] > t]
-
-    def pids(self, node: str) -> set[int]:
-        return {e["pid"] for e in self.events("resume", node=node)}
 
     def wait(self, cond: Any, timeout: float, what: str) -> Any:
         try:
@@ -178,7 +168,7 @@ def test_a_node_killed_mid_epoch_then_a_node_added_joins_at_a_commit(ray_cluster
     assert {n["id"] for n in view["nodes"]} == {a_name, b_name}, view["nodes"]
     assert {n["host"] for n in view["nodes"]} == {"127.0.0.1"}, view["nodes"]
     assert ray_cluster.address.startswith("127.0.0.1:") and ray_cluster.node_addresses() == {"127.0.0.1"}
-    a_pid = max(job.pids(a_name))
+    a_pid = max(job.worker_pids(a_name))
     table = render_table(view)
     assert "WORLD 2" in table and a_name in table and b_name in table, table
 
@@ -232,7 +222,7 @@ def test_a_spot_notice_drains_its_node_with_no_step_lost(ray_cluster: LocalRayCl
     job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 180,
              "both ranks past step 4 at world 2")
     a_name, b_name = a.node_id[:12], b.node_id[:12]
-    a_pid = max(job.pids(a_name))
+    a_pid = max(job.worker_pids(a_name))
 
     t_notice = time.time()
     written = tmp_path / "notice.tmp"
@@ -317,7 +307,7 @@ def test_ray_draining_a_node_for_preemption_drains_it_with_no_step_lost(ray_clus
     job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 180,
              "both ranks past step 4 at world 2")
     a_name = a.node_id[:12]
-    a_pid = max(job.pids(a_name))
+    a_pid = max(job.worker_pids(a_name))
     t_drain = time.time()
     ray_cli = str(Path(sys.executable).with_name("ray"))
     subprocess.run([ray_cli, "drain-node", "--address", ray_cluster.address, "--node-id", b.node_id,
@@ -348,8 +338,8 @@ def test_a_frozen_node_is_left_out_when_ray_declares_it_dead(ray_cluster: LocalR
     job.wait(lambda: {e["rank"] for e in job.steps_after(0, 2) if e["step"] >= 4} == {0, 1}, 180,
              "both ranks past step 4 at world 2")
     a_name, b_name = a.node_id[:12], b.node_id[:12]
-    a_pid = max(job.pids(a_name))
-    frozen = ray_cluster.pids(b.node_id) + sorted(job.pids(b_name))
+    a_pid = max(job.worker_pids(a_name))
+    frozen = ray_cluster.pids(b.node_id) + sorted(job.worker_pids(b_name))
     t_freeze = time.time()
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
