@@ -36,6 +36,8 @@ from elasticyolo.local_cluster.trace import TraceEvents, coverage_by_epoch, read
 from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
 from elasticyolo.status import render_table  # noqa: E402
 
+pytestmark = pytest.mark.ray_in_process
+
 N_TRAIN = 32
 
 
