@@ -17,12 +17,15 @@ only against the processes of its own session, and every session weighs the same
 process: the agent at nice -5 in one session and each worker in a session of its own (spawn.py
 starts them so, to signal their process groups) would weigh the same. So a process that leads its
 own session sets its session's nice too (`/proc/self/autogroup`): the agent under systemd or
-started by the local cluster, and etcd started by `priority_prefix`. No torch here.
+started by the local cluster, and etcd started by `priority_prefix`. A process in a cgroup with
+its own CPU controller (a container, a systemd slice) is in no autogroup: the file reads empty, and
+the cgroup's weight orders it instead. No torch here.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 AGENT_NICE = -5  # systemd/elasticyolo-agent.service: Nice=
@@ -40,10 +43,19 @@ def set_nice(nice: int) -> bool:
         return False
 
 
+def session_nice() -> int | None:
+    """This process's session's nice (autogroup); None where it is in no autogroup."""
+    try:
+        fields = SESSION_NICE_FILE.read_text().split()  # "/autogroup-N nice K", or empty
+    except OSError:
+        return None
+    return int(fields[-1]) if fields else None
+
+
 def set_session_nice(nice: int) -> bool:
-    """Where this process leads its session, set the session's nice (autogroup). False if it does
-    not lead one, the kernel has no autogroup, or it is not permitted."""
-    if os.getsid(0) != os.getpid():
+    """Where this process leads its session, set the session's nice. False if it does not lead one,
+    it is in no autogroup, or it is not permitted."""
+    if os.getsid(0) != os.getpid() or session_nice() is None:
         return False
     try:
         SESSION_NICE_FILE.write_text(str(nice))
@@ -60,7 +72,9 @@ def as_worker() -> None:
 
 def as_agent() -> bool:
     """In the agent, before any thread starts: up to `AGENT_NICE` (never down). False if not permitted."""
-    set_session_nice(AGENT_NICE)
+    current_session_nice = session_nice()
+    if current_session_nice is not None and current_session_nice > AGENT_NICE:
+        set_session_nice(AGENT_NICE)
     if os.getpriority(os.PRIO_PROCESS, 0) > AGENT_NICE:
         return set_nice(AGENT_NICE)
     return True
@@ -68,6 +82,18 @@ def as_agent() -> bool:
 
 def priority_prefix(nice: int) -> list[str]:
     """A command prefix that starts a program (every thread of it) at `nice`, and its session too
-    when it is started in a session of its own (`start_new_session=True`); the program goes on at the
-    current priority where lowering is not permitted."""
-    return ["sh", "-c", f'echo {nice} > {SESSION_NICE_FILE} 2>/dev/null; exec nice -n {nice} "$@"', "sh"]
+    when the program leads its session (`start_new_session=True`); the program goes on at the
+    current priority where that is not permitted."""
+    return [sys.executable, "-m", "elasticyolo.priority", str(nice)]
+
+
+def _exec_at(argv: list[str]) -> None:
+    """`python -m elasticyolo.priority NICE PROGRAM [ARG...]`: the body of `priority_prefix`."""
+    nice, program = int(argv[0]), argv[1:]
+    set_session_nice(nice)
+    set_nice(nice)
+    os.execvp(program[0], program)
+
+
+if __name__ == "__main__":
+    _exec_at(sys.argv[1:])

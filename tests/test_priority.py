@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from elasticyolo.priority import AGENT_NICE, SESSION_NICE_FILE, priority_prefix
+from elasticyolo.priority import AGENT_NICE, priority_prefix, session_nice
 
-pytestmark = pytest.mark.skipif(not SESSION_NICE_FILE.exists() or os.geteuid() != 0,
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/autogroup") or os.geteuid() != 0,
                                 reason="needs a kernel with autogroup, and root to raise a priority")
 
-READ_BACK = "import os; from elasticyolo.priority import as_agent; as_agent(); " \
-            "print(open('/proc/self/autogroup').read().split()[-1], os.getpriority(os.PRIO_PROCESS, 0))"
+READ_BACK = "import os; from elasticyolo.priority import as_agent, session_nice; as_agent(); " \
+            "print(session_nice(), os.getpriority(os.PRIO_PROCESS, 0))"
 
 
 def _run(cmd: list[str], new_session: bool) -> str:
@@ -28,10 +28,22 @@ def test_an_agent_that_leads_its_session_raises_the_session() -> None:
 
 
 def test_an_agent_inside_another_session_leaves_that_session_alone() -> None:
-    session_nice = SESSION_NICE_FILE.read_text().split()[-1]
-    assert _run([sys.executable, "-c", READ_BACK], new_session=False) == f"{session_nice} {AGENT_NICE}"
+    # This session may be in no autogroup (a container's cgroup): then both read None.
+    assert _run([sys.executable, "-c", READ_BACK], new_session=False) == f"{session_nice()} {AGENT_NICE}"
+
+
+def test_an_agent_never_lowers_its_session() -> None:
+    cmd = priority_prefix(AGENT_NICE - 2) + [sys.executable, "-c", READ_BACK]
+    assert _run(cmd, new_session=True) == f"{AGENT_NICE - 2} {AGENT_NICE - 2}"
 
 
 def test_the_priority_prefix_sets_the_program_and_its_session() -> None:
     out = _run(priority_prefix(-3) + ["sh", "-c", "cat /proc/self/autogroup; nice"], new_session=True)
-    assert out.split() == [*out.split()[:-3], "nice", "-3", "-3"]
+    assert out.split()[-3:] == ["nice", "-3", "-3"]  # the session's nice, then the program's
+
+
+def test_the_priority_prefix_leaves_a_session_it_does_not_lead() -> None:
+    out = _run(priority_prefix(-3) + [sys.executable, "-c", "from elasticyolo.priority import session_nice; "
+                                      "import os; print(session_nice(), os.getpriority(os.PRIO_PROCESS, 0))"],
+               new_session=False)
+    assert out == f"{session_nice()} -3"

@@ -1,6 +1,7 @@
 """`elasticyolo demo`: the whole mission offline (etcd, S3 and cloud metadata on 127.0.0.1): a
-tiny Horovod job on 3 spot nodes checkpointing to S3, a spot notice drained, a node joined, a node
-killed, the cost, and the run folder downloaded from the store (docs/demo.md)."""
+tiny job on 3 spot nodes (the default engine, torch) checkpointing to S3, a spot notice drained,
+a node joined, a node killed, the cost, and the run folder downloaded from the store
+(docs/demo.md)."""
 
 from __future__ import annotations
 
