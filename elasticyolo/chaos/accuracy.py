@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elasticyolo.chaos.runner import ELASTIC_JOB, REFERENCE_JOB, ReplayEnv, run_reference, store_uri
+from elasticyolo.chaos.nodes import store_uri
+from elasticyolo.chaos.runner import ELASTIC_JOB, REFERENCE_JOB, ReplayEnv, run_reference
 
 TOLERANCE = 0.05
 

@@ -71,12 +71,6 @@ def run(args: argparse.Namespace) -> int:
     # agent, worker and server it started instead of leaving them running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from elasticyolo.engines import registry
-    from elasticyolo.errors import UserError
-
-    if (cluster := registry.get(args.engine).cluster) != "agents":
-        raise UserError(f"--engine {args.engine}: the replay runs local agents, and engine={args.engine} runs on a "
-                        f"{cluster} cluster instead; choose an engine the agents run")
     sweep = args.action == "sweep"
     opts = ReplayOptions(
         trace=args.trace, nodes=args.nodes, compress=args.compress, start_hour=0.0 if sweep else args.start_hour,

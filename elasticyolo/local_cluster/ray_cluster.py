@@ -16,8 +16,14 @@ It refuses to start where Ray would pick another address.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
 
 HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3,
                 "health_check_initial_delay_ms": 0}
@@ -28,6 +34,10 @@ TOLERANT_HEALTH_CHECK = {**HEALTH_CHECK, "health_check_period_ms": 1000, "health
 
 
 LOOPBACK = "127.0.0.1"
+OBJECT_STORE_BYTES = 150 * 1024 * 1024  # per node, as `ray.cluster_utils.Cluster` (a training job stores little)
+# The ports a node listens on besides its workers' (which bind port 0 each).
+NODE_PORT_OPTIONS = ("--node-manager-port", "--object-manager-port", "--runtime-env-agent-port",
+                     "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port", "--metrics-export-port")
 
 
 class LocalRayCluster:
@@ -52,17 +62,53 @@ class LocalRayCluster:
         self.address = self.cluster.address
         self.nodes: dict[str, Any] = {}
         self._count = 0
+        self._ports_given: set[int] = set()
+        self.temp_root = Path(tempfile.mkdtemp(prefix="eyray-", dir="/tmp"))  # `start_node`'s nodes
         ray.init(address=self.address, namespace="elasticyolo", log_to_driver=False, logging_level="ERROR",
                  configure_logging=False)
 
-    def add(self, cpus: int = 1) -> Any:
-        """A training node; returns Ray's node object (`.node_id`)."""
+    def add(self, cpus: int = 1, env: dict[str, str] | None = None) -> Any:
+        """A training node; returns Ray's node object (`.node_id`). `env`: its raylet's environment
+        on top of this process's, which the node's workers (the actors) inherit."""
         self._count += 1
         name = f"node-{self._count}"
-        node = self.cluster.add_node(num_cpus=cpus, resources={name: 1})
+        node = self.cluster.add_node(num_cpus=cpus, resources={name: 1}, env_vars=env or None)  # waits for it
         self.nodes[node.node_id] = node
-        self.cluster.wait_for_nodes()
         return node
+
+    def start_node(self, cpus: int = 1, env: dict[str, str] | None = None,
+                   prefix: Sequence[str] = ()) -> tuple[str, subprocess.Popen[bytes]]:
+        """A node started as a VM joins a cluster, `ray start --address HEAD --block`, and not
+        waited for: returns its resource name (`node-<n>`, for `node_id_of`) and the `ray start`
+        process, whose children are every process of the node (`prefix`, a command prefix, runs
+        it on a host of its own: `cpu_slices.CpuSlices.prefix`)."""
+        from elasticyolo.local_cluster.servers import free_ports
+
+        self._count += 1
+        name = f"node-{self._count}"
+        # Nodes starting side by side on one host collide where each picks its own: their ports
+        # (chosen here instead) and their sockets' and logs' names in the session directory (each
+        # node gets a temporary directory of its own). A raylet that loses aborts on `bind:
+        # Address already in use`.
+        ports = free_ports(len(NODE_PORT_OPTIONS), avoid=self._ports_given)
+        self._ports_given.update(ports)
+        temp_dir = self.temp_root / name  # short: a socket's path must fit in 107 bytes
+        cmd = [*prefix, str(Path(sys.executable).with_name("ray")), "start", "--address", self.address,
+               "--temp-dir", str(temp_dir),
+               "--node-ip-address", LOOPBACK, "--num-cpus", str(cpus), "--resources", json.dumps({name: 1}),
+               "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats", "--block",
+               "--min-worker-port", "0", "--max-worker-port", "0",  # each worker binds a port the kernel picks
+               *(arg for option, port in zip(NODE_PORT_OPTIONS, ports) for arg in (option, str(port)))]
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return name, proc
+
+    def node_id_of(self, resource: str) -> str | None:
+        """The Ray node id of the live node started with `start_node` under that name; None before
+        it has registered."""
+        import ray
+
+        return next((n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n.get("Resources", {})), None)
 
     def head_node_id(self) -> str:
         return self.cluster.head_node.node_id
@@ -74,16 +120,20 @@ class LocalRayCluster:
         return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
 
     def kill(self, node_id: str) -> None:
-        """Every process of the node killed at once (a VM gone): its raylet, its agents and its
-        workers (the raylet's children: a worker outlives its raylet by up to a second, and
-        trains on meanwhile), then Ray's own clean-up of the node."""
+        """Every process of the node killed at once (a VM gone), then Ray's own clean-up of it."""
+        self.kill_processes(node_id)
+        self.forget(node_id)
+
+    def kill_processes(self, node_id: str) -> None:
+        """SIGKILL to every process of the node at once: its raylet, its agents and its workers
+        (the raylet's children: a worker outlives its raylet by up to a second, and trains on
+        meanwhile)."""
         import psutil
 
         procs: list[psutil.Process] = []
-        for pid in self.pids(node_id):
+        for pid in self.processes(node_id):
             try:
-                proc = psutil.Process(pid)
-                procs += [proc, *proc.children(recursive=True)]
+                procs.append(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 pass
         for proc in procs:
@@ -91,12 +141,27 @@ class LocalRayCluster:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+
+    def forget(self, node_id: str) -> None:
+        """Ray's clean-up of a node whose processes were killed (`kill_processes`)."""
         self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
 
     def pids(self, node_id: str) -> list[int]:
         """The processes Ray started for the node (raylet and agents; not its workers)."""
         return [info.process.pid for infos in self.nodes[node_id].all_processes.values() for info in infos
                 if info.process is not None]
+
+    def processes(self, node_id: str) -> list[int]:
+        """Every process of the node: Ray's daemons and what they started (its workers)."""
+        import psutil
+
+        out: list[int] = []
+        for pid in self.pids(node_id):
+            try:
+                out += [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+            except psutil.NoSuchProcess:
+                pass
+        return out
 
     def remove_all(self) -> None:
         for node_id in list(self.nodes):
@@ -107,3 +172,4 @@ class LocalRayCluster:
 
         ray.shutdown()
         self.cluster.shutdown()
+        shutil.rmtree(self.temp_root, ignore_errors=True)

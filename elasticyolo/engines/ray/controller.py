@@ -6,9 +6,10 @@ Its loop (a thread), every `TICK_S` or at once when something happens:
    training actors' `train()` results: an actor that died resolves its result with Ray's
    actor-death error (its worker process died, or its node did), which is the notification the
    controller acts on;
-2. when a member reports that its world's collective failed, pings the world's other actors: one
-   that does not answer within `PING_S` is on a node that is gone or frozen (Ray itself declares
-   a node dead only after its health checks fail, seconds later);
+2. when a member reports that its world's collective failed, finds which of the world's other
+   actors are gone: one whose lifeline closed (`lifeline.py`: its process ended) at once, and one
+   that does not answer a ping within `PING_S` is on a node that is frozen or cut off (Ray itself
+   declares a node dead only after its health checks fail, seconds later);
 3. decides the cluster side with `plan.plan_cluster` (placement groups, actors, drains) and the
    next world with the torch engine's `plan_world`, and applies both: the world is written to the
    job's store (`store.py`, `world/<uuid>`), where every training actor waits for it;
@@ -29,12 +30,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.engines.ray import records
+from elasticyolo.engines.ray.lifeline import LifelineServer
 from elasticyolo.engines.ray.plan import ClusterInputs, HeldNode, Slot, node_name, plan_cluster
 from elasticyolo.engines.torch.world_plan import MemberRecord, World, WorldInputs, plan_world
 from elasticyolo.log import get_logger
@@ -98,6 +100,7 @@ class JobController:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.lock = threading.Lock()
         self.wake = threading.Event()
+        self.lifelines = LifelineServer(self.host, on_close=lambda _slot: self.wake.set())
         self.records: dict[str, MemberRecord] = {}
         self.held: dict[str, Held] = {}
         self.ever_held: set[str] = set()  # Ray node ids held or drained: the pending placement group avoids them
@@ -234,7 +237,7 @@ class JobController:
         c = self.config
         setup = SlotSetup(spec_json=c.spec_json, job=c.job, generation=c.generation, node=name, slot=slot,
                           slots=c.slots, work_root=c.work_root, store_host=self.host, store_port=self.port,
-                          controller=self.me, notices=c.notices)
+                          lifeline_port=self.lifelines.port, controller=self.me, notices=c.notices)
         options: dict[str, Any] = {
             "num_cpus": c.bundle.get("CPU", 0), "num_gpus": c.bundle.get("GPU", 0), "max_concurrency": 4,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(held.pg, placement_group_bundle_index=slot),
@@ -295,6 +298,10 @@ class JobController:
                         del self.records[m]
                 self.dead_members.update(mine)
                 held.slots[slot] = Slot.ENDED if held.draining is not None else Slot.EMPTY
+                if isinstance(exc, ActorUnavailableError) and self.lifelines.closed(name, slot):
+                    # Its process ended and its raylet did not say so: the node is gone (Ray
+                    # declares it dead only when its health checks fail).
+                    held.lost = True
                 if not mine and held.draining is None and actor_failed(exc):
                     self.start_failures += 1  # it died before it joined: a bad spec or environment
                     if self.start_failures >= START_FAILURES:
@@ -320,15 +327,18 @@ class JobController:
             return
         self.pinged.add(world.uuid)
         by_member: dict[Any, str] = {}
+        dead: set[str] = set()
         for member, node in zip(world.members, world.nodes):
             held = self.held.get(node)
             if member in reported:
                 continue  # it reported the failure: alive (a busy host must not make it look dead)
             slot = int(member.split(".")[1])
-            if held is not None and slot in held.actors:
+            if self.lifelines.closed(node, slot):
+                dead.add(node)  # its process ended
+            elif held is not None and slot in held.actors:
                 by_member[held.actors[slot].handle.pid.remote()] = node
         answered, late = ray.wait(list(by_member), num_returns=len(by_member), timeout=PING_S)
-        dead = {by_member[r] for r in late}
+        dead |= {by_member[r] for r in late}
         for r in answered:
             try:
                 ray.get(r)

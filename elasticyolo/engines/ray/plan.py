@@ -8,8 +8,9 @@ training actor per bundle). It asks for one more node at a time while it holds f
 on Ray's node id), which Ray places on the first node with room, and which an autoscaler sees as
 demand.
 
-* a held node whose Ray node died (Ray's node table), or that stopped answering while its world's
-  collective failed (`lost`), is let go: its placement group removed, its actors killed; its
+* a held node whose Ray node died (Ray's node table), that stopped answering while its world's
+  collective failed, or whose actor's process ended without its raylet saying so (`lost`), is let
+  go: its placement group removed, its actors killed; its
   members are lost to `plan_world`;
 * a draining node (a spot notice) gets no new actor; its actors are asked to leave once, at their
   next commit; when none is left it is let go;
@@ -36,7 +37,7 @@ class HeldNode:
     ray_node_id: str
     slots: tuple[Slot, ...]
     draining: bool = False
-    lost: bool = False  # it stopped answering while its world's collective failed
+    lost: bool = False  # found gone before Ray's health checks say so (`controller.py`)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import elasticyolo.train  # noqa: F401  (offline Ultralytics before anything imports it)
 import ray
 
+from elasticyolo.engines.ray import lifeline
 from elasticyolo.engines.ray.store import AbortableStore
 from elasticyolo.engines.ray.world_source import RayWorldSource
 from elasticyolo.engines.torch.worker import ENTER_TIMEOUT_S, ENV_SLOT, ENV_SLOTS, PreparedWorker, TorchWorld, \
@@ -55,6 +56,7 @@ class SlotSetup:
     work_root: str  # node-local: `<work_root>/<job>/<node>/<generation>/` (snapshots, run folder)
     store_host: str
     store_port: int
+    lifeline_port: int  # the controller's `lifeline.LifelineServer`
     controller: Any  # the controller's actor handle
     notices: dict[str, Any] = field(default_factory=dict)  # spot watcher options (`spot.make_watcher`)
 
@@ -73,9 +75,11 @@ class RayWorld(TorchWorld):
     def connect(self, runner: WorkerRunner) -> tuple[Any, Callable[[int], WorldSource]]:
         s = self.setup
         # An abort shuts this process's collective connections (`TorchWorld._on_world`); Ray's own
-        # (to the raylet, the GCS, the controller, and into this actor) and the store's must stay.
-        # They are the ones open before the process group exists, and those to the store's port.
+        # (to the raylet, the GCS, the controller, and into this actor), the lifeline and the store's
+        # must stay. They are the ones open before the process group exists, and those to the
+        # store's port.
         ray.get(s.controller.hello.remote(), timeout=60)  # Ray's connection to the controller: open now
+        self.lifeline = lifeline.connect(s.store_host, s.lifeline_port, s.node, s.slot)
         ray_ports = tcp_local_ports()
         self.aborter = CollectiveAborter(kept=lambda: (ray_ports, {s.store_port}))
         store = AbortableStore(s.store_host, s.store_port, timedelta(seconds=ENTER_TIMEOUT_S))
