@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/recovery.py's measurement helpers
-from recovery import COMMON, first_step, rank0_steps, wait  # noqa: E402
+from recovery import COMMON, first_step, print_ratios, rank0_steps, wait  # noqa: E402
 
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.local_cluster.netns import LoopbackNamespace, unavailable  # noqa: E402
@@ -244,12 +244,8 @@ def main() -> int:
         notes = sorted({r.get("error") or r.get("note") for r in res["runs"] if r.get("error") or r.get("note")})
         print(f"{name:12s} {_f(m['kill_s']):>7s} {_f(m['kill_lost']):>10s} {_f(m['join_total_s']):>13s} "
               f"{_f(m['join_pause_s']):>13s} {_f(m['join_lost']):>10s} {_f(m['step_s']):>7s}  {'; '.join(notes)}")
-    e = results.get("elasticyolo", {}).get("median", {})
-    for base in ("ray-train", "ray-train-tuned"):
-        b = results.get(base, {}).get("median", {})
-        for key in ("kill_s", "join_total_s", "join_pause_s"):
-            if e.get(key) is not None and b.get(key):
-                print(f"{key} elasticyolo / {base}: {e[key] / b[key]:.2f}")
+    print_ratios(results, ("elasticyolo",), ("ray-train", "ray-train-tuned"),
+                 ("kill_s", "join_total_s", "join_pause_s"))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.keep:

@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from elasticyolo.local_cluster.cpu_slices import CpuSlices
 from elasticyolo.local_cluster.trace import read_trace
 from elasticyolo.local_cluster.wait import wait_for
 from elasticyolo.worker_runtime.prewarm import WARM_EVENT, WARMING_EVENT
 
-if TYPE_CHECKING:
-    from elasticyolo.chaos.runner import ReplayEnv
-    from elasticyolo.local_cluster.cpu_slices import CpuSlices
+Say = Callable[[str], None]
 
 
 class JobFailed(AssertionError):
     """The replayed job ended in `failed`: the replay stops at once and reports it."""
 
 
-def store_uri(env: "ReplayEnv") -> str:
+def store_uri(env: ReplayEnv) -> str:
     """Where every job of the replay checkpoints (the layout keeps jobs apart)."""
     return f"s3://{env.bucket}/replay"
 
@@ -35,7 +35,7 @@ def store_uri(env: "ReplayEnv") -> str:
 class ReplayNodes:
     """One job's nodes. Subclasses start, notice, kill and submit; this class waits on them."""
 
-    def __init__(self, env: "ReplayEnv", job: str, workdir: Path, sliced: bool = True) -> None:
+    def __init__(self, env: ReplayEnv, job: str, workdir: Path, sliced: bool = True) -> None:
         self.env, self.job, self.workdir = env, job, workdir
         self.slices: CpuSlices | None = env.slices if sliced else None
         self.trace_dir = workdir / "trace"
@@ -143,7 +143,7 @@ class AgentNodes(ReplayNodes):
     """`elasticyolo agent` processes (local_cluster/agent_cluster.py), each with its own metadata
     server, against the replay's etcd."""
 
-    def __init__(self, env: "ReplayEnv", job: str, workdir: Path, sliced: bool = True) -> None:
+    def __init__(self, env: ReplayEnv, job: str, workdir: Path, sliced: bool = True) -> None:
         from elasticyolo.local_cluster.agent_cluster import AgentCluster
         from elasticyolo.local_cluster.metadata_server import MetadataServer
 
@@ -217,3 +217,20 @@ class AgentNodes(ReplayNodes):
             for md in self.md.values():
                 md.stop()
             self.md.clear()
+
+
+@dataclass
+class ReplayEnv:
+    """What both systems share: servers, data, the job spec."""
+
+    etcd_endpoints: str
+    s3_env: dict[str, str]
+    spec: list[str]  # key=value words for `elasticyolo submit` (without the checkpoint store)
+    bucket: str
+    workdir: Path
+    notice_s: float
+    say: Say = print
+    startup_timeout_s: float = 600.0
+    slices: CpuSlices | None = None  # one CPU quota per node (local_cluster/cpu_slices.py), or shared CPUs
+    # A job's nodes (`nodes.py`): agents, or a local Ray cluster's nodes for engine=ray.
+    nodes: Callable[..., ReplayNodes] = AgentNodes

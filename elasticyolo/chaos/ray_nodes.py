@@ -29,12 +29,12 @@ from elasticyolo.local_cluster.wait import wait_for
 START_TIMEOUT_S = 120.0  # a Ray node's start (Ray gives a raylet 30 s to register, more on a busy host)
 
 if TYPE_CHECKING:
-    from elasticyolo.chaos.runner import ReplayEnv
+    from elasticyolo.chaos.nodes import ReplayEnv
     from elasticyolo.local_cluster.ray_cluster import LocalRayCluster
 
 
 class RayNodes(ReplayNodes):
-    def __init__(self, env: "ReplayEnv", job: str, workdir: Path, sliced: bool = True, *,
+    def __init__(self, env: ReplayEnv, job: str, workdir: Path, sliced: bool = True, *,
                  cluster: "LocalRayCluster") -> None:
         super().__init__(env, job, workdir, sliced)
         self.cluster = cluster

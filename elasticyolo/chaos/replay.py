@@ -217,7 +217,7 @@ def replay_services(o: ReplayOptions, spec: list[str], root: Path, notice_s: flo
     network namespace with only `lo` (`local_cluster/netns.py`)."""
     import boto3
 
-    from elasticyolo.chaos.runner import ReplayEnv
+    from elasticyolo.chaos.nodes import ReplayEnv
     from elasticyolo.local_cluster.servers import EtcdCluster, S3Server
 
     with contextlib.ExitStack() as stack:

@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from elasticyolo.chaos.measure import steady_rate
-from elasticyolo.chaos.nodes import AgentNodes, JobFailed, ReplayNodes
+from elasticyolo.chaos.nodes import JobFailed, ReplayEnv, ReplayNodes, Say
 from elasticyolo.chaos.schedule import Action, Plan
-from elasticyolo.local_cluster.cpu_slices import CpuSlices
 
-Say = Callable[[str], None]
 ELASTIC_JOB, RESTART_JOB, REFERENCE_JOB = "replay-elastic", "replay-restart", "replay-reference"
 CALIBRATION_SPANS = 3  # per node count; their median rate is the steady state
 SETTLE_TIMEOUT_S = 120.0  # for the nodes' standbys to warm before a measurement starts
@@ -32,23 +30,6 @@ SETTLE_TIMEOUT_S = 120.0  # for the nodes' standbys to warm before a measurement
 # the losses equal to 3 decimals through step 30, then they parted, and mAP50-95 at epoch 21 read
 # 0.35 against 0.78; with the first change near step 40, five runs were within 0.04.
 SHARED_STEPS = 40
-
-
-@dataclass
-class ReplayEnv:
-    """What both systems share: servers, data, the job spec."""
-
-    etcd_endpoints: str
-    s3_env: dict[str, str]
-    spec: list[str]  # key=value words for `elasticyolo submit` (without the checkpoint store)
-    bucket: str
-    workdir: Path
-    notice_s: float
-    say: Say = print
-    startup_timeout_s: float = 600.0
-    slices: CpuSlices | None = None  # one CPU quota per node (local_cluster/cpu_slices.py), or shared CPUs
-    # A job's nodes (`nodes.py`): agents, or a local Ray cluster's nodes for engine=ray.
-    nodes: Callable[..., ReplayNodes] = AgentNodes
 
 
 @dataclass
