@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.local_cluster.agent_cluster import AgentCluster
@@ -326,6 +326,17 @@ def run_one(name: str, tmp: Path, endpoints: str, data: Path) -> dict[str, Any]:
         sc.close()
 
 
+def print_ratios(results: dict[str, Any], systems: Sequence[str], bases: Sequence[str], keys: Sequence[str]) -> None:
+    """One line per figure, system and baseline measured: the ratio of their medians."""
+    for mine in systems:
+        e = results.get(mine, {}).get("median", {})
+        for base in bases:
+            b = results.get(base, {}).get("median", {})
+            for key in keys:
+                if e.get(key) is not None and b.get(key):
+                    print(f"{key} {mine} / {base}: {e[key] / b[key]:.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--which", default=",".join(ALL))
@@ -360,13 +371,8 @@ def main() -> int:
         print(f"{name:18s} {_f(m.get('loss_s')):>8s} {_f(m.get('join_pause_s')):>13s} "
               f"{_f(m.get('join_total_s')):>13s} {_f(m.get('vanish_s')):>9s} {_f(m.get('step_s')):>7s}  "
               f"{'; '.join(errors)}")
-    for mine in ("elasticyolo", "elasticyolo-torch"):
-        e = results.get(mine, {}).get("median", {})
-        for base in ("horovodrun", "torchrun-c10d"):
-            b = results.get(base, {}).get("median", {})
-            for key in ("loss_s", "join_pause_s", "vanish_s"):
-                if e.get(key) is not None and b.get(key):
-                    print(f"{key} {mine} / {base}: {e[key] / b[key]:.2f}")
+    print_ratios(results, ("elasticyolo", "elasticyolo-torch"), ("horovodrun", "torchrun-c10d"),
+                 ("loss_s", "join_pause_s", "vanish_s"))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if not args.keep:

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "discover-hosts": ("discover_hosts", "print host:slots lines for Horovod host discovery"),
     "worker": ("worker", "run one training worker (started by horovodrun or an agent)"),
     "demo": ("demo", "run the end-to-end local demo"),
+    "ray": ("ray_jobs", "run a job on a Ray cluster (engine=ray): ray submit | status | cancel"),
     "chaos": ("chaos", "chaos tools (chaos replay: replay a real spot trace, goodput vs ideal and checkpoint-restart)"),
 }
 

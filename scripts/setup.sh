@@ -51,7 +51,7 @@ if ! "$PY" -c "import torch, torchvision, sys; sys.exit(torch.__version__.split(
   "$PY" -m pip install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
 fi
 log "installing elasticyolo and its dependencies"
-"$PY" -m pip install -q -e ".[train,test]"
+"$PY" -m pip install -q -e ".[train,test,ray]"
 
 # 3. Horovod (the [horovod] extra; the tests run both engines): build once per (horovod, torch,
 #    cpu|gpu), cache the wheel, reuse it. pip takes the extra's Horovod from that wheel, never from
@@ -72,7 +72,7 @@ if ! "$PY" -c "import horovod.torch" 2>/dev/null || [ ! -e "$VENV/.$key" ]; then
   fi
   log "installing Horovod from $WHEEL_CACHE/$key"
   "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL_CACHE/$key"/horovod-*.whl
-  "$PY" -m pip install -q --only-binary=horovod --find-links "$WHEEL_CACHE/$key" -e ".[train,test,horovod]"
+  "$PY" -m pip install -q --only-binary=horovod --find-links "$WHEEL_CACHE/$key" -e ".[train,test,ray,horovod]"
   touch "$VENV/.$key"
 fi
 build_info=$("$VENV/bin/horovodrun" --check-build)

@@ -23,6 +23,13 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("ELASTICYOLO_LOG_FORMAT", "json")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `ray_in_process` run last (in their own order): Ray's driver and its local
+    cluster leave Ray's native threads in this process, and a process with threads must not fork
+    (`test_zygote` forks this process, as the torch launcher forks its zygote)."""
+    items.sort(key=lambda item: item.get_closest_marker("ray_in_process") is not None)
+
+
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EtcdCluster]:
     """One etcd member on loopback, shared by the session (tests use distinct job names)."""

@@ -53,7 +53,7 @@ def test_agent_bad_job_spec_in_config(etcd_server: EtcdCluster, job_name: str, t
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(f"etcd: [{etcd_server.endpoints}]\njob: {job_name}\nspec:\n  data: d.yaml\n  engine: mpi\n")
     r = run_cli("agent", "--config", str(cfg))
-    assert_one_error_line(r, 2, "spec: engine: Input should be 'horovod' or 'torch'")
+    assert_one_error_line(r, 2, "spec: engine: Input should be 'horovod', 'torch' or 'ray'")
     assert nothing_written(etcd_server, job_name)
 
 

@@ -1,6 +1,7 @@
 """`elasticyolo chaos replay` end to end: a few minutes of the real spot trace (K=3, F=20) against
-real etcd, a real S3 API server, per-node metadata servers and agents training YOLO, for elasticyolo
-and the checkpoint-restart baseline; the JSON's invariants, the PNG, and one-line input errors."""
+real etcd, a real S3 API server, per-node metadata servers and agents training YOLO (or, for
+engine=ray, the nodes of a local Ray cluster), for elasticyolo and the checkpoint-restart baseline;
+the JSON's invariants, the PNG, and one-line input errors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from trace_data import REAL_TRACE
 
+from elasticyolo.local_cluster.netns import unavailable as netns_unavailable
+
 ELASTICYOLO = str(Path(sys.executable).with_name("elasticyolo"))
 TRACE = REAL_TRACE
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found")
@@ -21,8 +24,12 @@ needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found"
 @needs_trace
 @pytest.mark.slow  # ~4.5 min on 2 idle cores (~9 with accuracy, two replays): `make test-slow`
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("accuracy", [False, True])
-def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
+@pytest.mark.parametrize("engine, accuracy", [("torch", False), ("torch", True), ("ray", False)])
+def test_short_replay_end_to_end(tmp_path: Path, engine: str, accuracy: bool) -> None:
+    if engine == "ray":
+        pytest.importorskip("ray")
+        if (why := netns_unavailable()) is not None:
+            pytest.skip(f"the Ray replay runs in a network namespace: {why}")
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
     # Hours 1.43-1.53 at K=3, F=20: 3 nodes, one gets a 6 s notice at 9.6 s, one joins at 12.6 s.
     cmd = [ELASTICYOLO, "chaos", "replay", "--trace", str(TRACE), "--nodes", "3", "--compress", "20",
@@ -30,7 +37,7 @@ def test_short_replay_end_to_end(tmp_path: Path, accuracy: bool) -> None:
            "--checkpoint-s", "60",
            # Shared CPUs: a CPU quota per node (the default where cgroups are writable) takes this
            # replay from ~4 to ~9 minutes; tests/test_cpu_slices.py runs agents in their slices.
-           "--cpus-per-node", "0",
+           "--cpus-per-node", "0", "--engine", engine,
            "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "work"),
            # The accuracy check (an uninterrupted run to the elastic job's last epoch, both
            # validated) adds ~2.5 min, a second replay of the window per system ~1.5:

@@ -82,7 +82,7 @@ def test_registry_knows_the_plugin_and_loads_it_lazily(plugin_env: dict[str, str
     assert registry.names()[:2] == ["horovod", "torch"] and "tiny" in registry.names()
     engine = registry.get("tiny")
     assert isinstance(engine, Engine) and engine.name == "tiny" and engine is registry.get("tiny")
-    with pytest.raises(Exception, match="Input should be 'horovod', 'torch' or 'tiny'"):
+    with pytest.raises(Exception, match="Input should be 'horovod', 'torch', 'ray' or 'tiny'"):
         TrainSpec.from_pairs(["data=d.yaml", "engine=mpi"])
 
 

@@ -184,6 +184,7 @@ def test_agent_side_imports_no_torch() -> None:
             "    engine = registry.get(name)\n"
             "    engine.node.__call__\n"
             "import elasticyolo.engines.horovod.node, elasticyolo.engines.torch.node, elasticyolo.engines.drain\n"
+            "import elasticyolo.commands.ray_jobs, elasticyolo.engines.ray.job, elasticyolo.engines.ray.records\n"
             "sys.exit(1 if 'torch' in sys.modules or 'ultralytics' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 

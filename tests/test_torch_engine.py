@@ -26,7 +26,7 @@ from elasticyolo.cluster.jobs import submit_spec  # noqa: E402
 from elasticyolo.cluster.keys import JobKeys  # noqa: E402
 from elasticyolo.data.synth import SynthSpec, write_dataset  # noqa: E402
 from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess  # noqa: E402
-from elasticyolo.local_cluster.trace import coverage_by_epoch, read_trace  # noqa: E402
+from elasticyolo.local_cluster.trace import TraceEvents, coverage_by_epoch, read_trace  # noqa: E402
 from elasticyolo.local_cluster.wait import wait_for  # noqa: E402
 from elasticyolo.processes import running  # noqa: E402
 from elasticyolo.spec import TrainSpec  # noqa: E402
@@ -48,14 +48,14 @@ def spec_pairs(data: Path, epochs: int, **extra: Any) -> list[str]:
     return [f"{k}={v}" for k, v in pairs.items()]
 
 
-class TorchJob:
+class TorchJob(TraceEvents):
     """Agents of one job, the job's etcd records and the workers' traces."""
 
     def __init__(self, tmp: Path, endpoints: str, job: str, ttl: int = 2) -> None:
+        super().__init__(tmp / "trace")
         self.tmp, self.endpoints, self.job, self.ttl = tmp, endpoints, job, ttl
         self.client = EtcdClient(endpoints, retry_window=10)
         self.keys = JobKeys(job)
-        self.trace_dir = tmp / "trace"
         self.agents: dict[str, AgentProcess] = {}
         self.env = {"ELASTICYOLO_TRACE_DIR": str(self.trace_dir), "ELASTICYOLO_WORK_DIR": str(tmp / "nodes"),
                     "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -79,16 +79,6 @@ class TorchJob:
         ok, _ = self.client.compare_and_swap(self.keys.state, json.dumps({"state": "cancelled", "at": time.time()}),
                                              got[1])
         assert ok
-
-    def events(self, ev: str | None = None, **match: Any) -> list[dict[str, Any]]:
-        out = read_trace(self.trace_dir) if self.trace_dir.exists() else []
-        return [e for e in out if (ev is None or e["ev"] == ev) and all(e.get(k) == v for k, v in match.items())]
-
-    def steps_after(self, t: float, world: int) -> list[dict[str, Any]]:
-        return [e for e in self.events("step", world=world) if e["t"] > t]
-
-    def worker_pids(self, node: str) -> set[int]:
-        return {e["pid"] for e in self.events("resume", node=node)}
 
     def logs(self) -> str:
         return "\n".join(f"--- agent {n}\n{a.log_path.read_text(errors='replace')[-5000:]}"

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elasticyolo.chaos.runner import ELASTIC_JOB, REFERENCE_JOB, ReplayEnv, run_reference, store_uri
+from elasticyolo.chaos.nodes import ReplayEnv, store_uri
+from elasticyolo.chaos.runner import ELASTIC_JOB, REFERENCE_JOB, run_reference
 
 TOLERANCE = 0.05
 

@@ -98,6 +98,15 @@ def prepare(o: ReplayOptions) -> Prepared:
         check_engine_name(o.engine)
     except ValueError as exc:
         raise TraceError(f"--engine {o.engine!r}: {exc}") from None
+    if o.engine == "ray":
+        from elasticyolo.engines.installed import engine_refusal
+        from elasticyolo.engines.ray.engine import ENGINE
+        from elasticyolo.local_cluster.netns import unavailable
+
+        if (refused := engine_refusal(ENGINE)) is not None:
+            raise TraceError(f"--engine ray: {refused}")
+        if (why := unavailable()) is not None:
+            raise TraceError(f"--engine ray: the replay's Ray cluster runs in a network namespace, and {why}")
     if o.repeats < 1:
         raise TraceError(f"--repeats {o.repeats}: must be >= 1")
     if o.cpus_per_node is not None and not (o.cpus_per_node >= 0 and math.isfinite(o.cpus_per_node)):
@@ -201,22 +210,51 @@ def final_world(tl: ReplayTimeline) -> int:
 def replay_services(o: ReplayOptions, spec: list[str], root: Path, notice_s: float,
                     say: Callable[[str], None]) -> Iterator[Any]:
     """The cloud the replayed nodes run in: each node's accelerator slice, etcd, an S3 server with
-    the replay's bucket; yields the runner's `ReplayEnv`."""
+    the replay's bucket, and for engine=ray a local Ray cluster; yields the runner's `ReplayEnv`.
+
+    A Ray cluster's nodes advertise the address of the host's default route, so for engine=ray
+    everything (this process's main thread first, then every server and node it starts) runs in a
+    network namespace with only `lo` (`local_cluster/netns.py`)."""
     import boto3
 
-    from elasticyolo.chaos.runner import ReplayEnv
+    from elasticyolo.chaos.nodes import ReplayEnv
     from elasticyolo.local_cluster.servers import EtcdCluster, S3Server
 
     with contextlib.ExitStack() as stack:
+        on_ray = o.engine == "ray"
+        if on_ray:
+            from elasticyolo.local_cluster.netns import LoopbackNamespace
+
+            stack.enter_context(stack.enter_context(LoopbackNamespace()).entered())
         slices = stack.enter_context(cpu_slices(o, say))
         if slices:
-            slices.serve_here()  # etcd, the S3 server and the metadata servers: the cloud's
+            slices.serve_here()  # etcd, the S3 server, the metadata servers, Ray's head node: the cloud's
         etcd = stack.enter_context(EtcdCluster(size=1))
         s3 = stack.enter_context(S3Server())
         bucket = "elasticyolo-replay"
         boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id="testing",
                      aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
-        yield ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, notice_s, say, slices=slices)
+        env = ReplayEnv(etcd.endpoints, s3.env(), spec, bucket, root, notice_s, say, slices=slices)
+        if on_ray:
+            env.nodes = stack.enter_context(ray_nodes(say))
+        yield env
+
+
+@contextlib.contextmanager
+def ray_nodes(say: Callable[[str], None]) -> Iterator[Callable[..., Any]]:
+    """A local Ray cluster for the replay (its health checks tolerant of a busy host: a node is
+    lost by its kill, not by a starved raylet); yields the runner's factory of a job's nodes."""
+    import functools
+
+    from elasticyolo.chaos.ray_nodes import RayNodes
+    from elasticyolo.local_cluster.ray_cluster import TOLERANT_HEALTH_CHECK, LocalRayCluster
+
+    say("engine ray: a local Ray cluster (a head node, then one Ray node per replayed node)")
+    cluster = LocalRayCluster(health_check=TOLERANT_HEALTH_CHECK)
+    try:
+        yield functools.partial(RayNodes, cluster=cluster)
+    finally:
+        cluster.shutdown()
 
 
 def ideal_json(run: Any) -> dict[str, Any]:
@@ -239,7 +277,7 @@ def live_run(what: str, o: ReplayOptions, out: dict[str, Any], root: Path, t_beg
     (never a figure from the part before it died), the JSON says `"failed": true` with the reason,
     and the run ends with a one-line error. Any other failure (a world that never formed) ends it
     the same way. The work dir is kept after a failure (logs, traces), else removed unless `keep`."""
-    from elasticyolo.chaos.runner import JobFailed
+    from elasticyolo.chaos.nodes import JobFailed
 
     failed = False
     try:

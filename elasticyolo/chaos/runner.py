@@ -1,14 +1,14 @@
 """Apply a replay plan to a real local cluster (the executor; no torch in this process).
 
-One etcd, one S3 API server (moto) and one cloud metadata server per node, all on 127.0.0.1;
-real `elasticyolo agent` processes (local_cluster/agent_cluster.py) training a real job whose workers
-write JSONL traces. A system's run: bring up its initial world, wait until it trains steadily,
-then play the plan's actions on the replay clock and stop everything at the window's end.
+One etcd and one S3 API server (moto), on 127.0.0.1; real nodes (`nodes.py`: `elasticyolo agent`
+processes with a cloud metadata server each, or the nodes of a local Ray cluster for engine=ray)
+training a real job whose workers write JSONL traces. A system's run: bring up its initial world,
+wait until it trains steadily, then play the plan's actions on the replay clock and stop
+everything at the window's end.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import statistics
@@ -18,14 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from elasticyolo.chaos.measure import steady_rate
+from elasticyolo.chaos.nodes import JobFailed, ReplayEnv, ReplayNodes, Say
 from elasticyolo.chaos.schedule import Action, Plan
-from elasticyolo.local_cluster.agent_cluster import AgentCluster
-from elasticyolo.local_cluster.cpu_slices import CpuSlices
-from elasticyolo.local_cluster.metadata_server import MetadataServer
-from elasticyolo.local_cluster.wait import wait_for
-from elasticyolo.worker_runtime.prewarm import WARM_EVENT, WARMING_EVENT
 
-Say = Callable[[str], None]
 ELASTIC_JOB, RESTART_JOB, REFERENCE_JOB = "replay-elastic", "replay-restart", "replay-reference"
 CALIBRATION_SPANS = 3  # per node count; their median rate is the steady state
 SETTLE_TIMEOUT_S = 120.0  # for the nodes' standbys to warm before a measurement starts
@@ -35,21 +30,6 @@ SETTLE_TIMEOUT_S = 120.0  # for the nodes' standbys to warm before a measurement
 # the losses equal to 3 decimals through step 30, then they parted, and mAP50-95 at epoch 21 read
 # 0.35 against 0.78; with the first change near step 40, five runs were within 0.04.
 SHARED_STEPS = 40
-
-
-@dataclass
-class ReplayEnv:
-    """What both systems share: servers, data, the job spec."""
-
-    etcd_endpoints: str
-    s3_env: dict[str, str]
-    spec: list[str]  # key=value words for `elasticyolo submit` (without the checkpoint store)
-    bucket: str
-    workdir: Path
-    notice_s: float
-    say: Say = print
-    startup_timeout_s: float = 600.0
-    slices: CpuSlices | None = None  # one CPU quota per node (local_cluster/cpu_slices.py), or shared CPUs
 
 
 @dataclass
@@ -85,126 +65,6 @@ class SystemRun:
                 for n, spans in self.span_rates.items()}
 
 
-class JobFailed(AssertionError):
-    """The replayed job ended in `failed`: the replay stops at once and reports it."""
-
-
-class _Nodes:
-    """The agents of one job, each with its own metadata server (its own "VM")."""
-
-    def __init__(self, env: ReplayEnv, job: str, workdir: Path, sliced: bool = True) -> None:
-        self.env = env
-        self.slices = env.slices if sliced else None
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.cluster = AgentCluster(env.etcd_endpoints, job, workdir,
-                                    env={"OMP_NUM_THREADS": "1", **env.s3_env})
-        self.md: dict[str, MetadataServer] = {}
-        # Drain well inside the (compressed) notice. The agent polls its metadata at most twice a
-        # second, and at least 20 times per notice: AWS's 5 s poll is 1/24 of its 120 s notice,
-        # and a 0.5 s poll would spend a quarter of a 2 s compressed one.
-        self.margin_s = round(min(5.0, max(0.0, env.notice_s * 0.25)), 2)
-        self.poll_s = round(max(0.05, min(0.5, env.notice_s / 20)), 3)
-
-    def slice_name(self, node: str) -> str:
-        return f"{self.cluster.job}-{node}"
-
-    def start(self, node: str) -> None:
-        md = self.md[node] = MetadataServer(providers=("aws",)).start()
-        prefix = self.slices.prefix(self.slice_name(node)) if self.slices else []
-        self.cluster.start(node, "--spot-provider", "aws", "--metadata-url", md.url, "--spot-poll-interval", str(self.poll_s),
-                           "--drain-margin-s", str(self.margin_s), prefix=prefix)
-
-    def alive(self, node: str) -> bool:
-        a = self.cluster.agents.get(node)
-        return a is not None and a.proc is not None and a.proc.poll() is None
-
-    def live(self) -> list[str]:
-        return [n for n in self.cluster.agents if self.alive(n)]
-
-    def notice(self, node: str, in_s: float) -> None:
-        self.md[node].announce("aws", action="terminate", in_s=in_s)
-
-    def kill(self, node: str) -> None:
-        if self.alive(node):
-            self.cluster.kill(node)
-        if self.slices:
-            self.slices.release(self.slice_name(node))
-
-    def steps_after(self, t: float, world: int, n: int) -> bool:
-        return len([s for s in self.cluster.steps(world=world) if s["t"] > t and s["rank"] == 0]) >= n
-
-    def raise_if_failed(self) -> None:
-        """JobFailed with the job's reason once its state is `failed` (every wait of a replay
-        checks this: a dead job is reported at once, not at a wait's time limit)."""
-        record = self.cluster.job_record()
-        if record.get("state") == "failed":
-            raise JobFailed(f"the job failed: {record.get('reason') or 'no reason recorded'}")
-
-    def wait(self, condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-        return wait_for(condition, timeout, what, interval=interval, abort=self.raise_if_failed)
-
-    def wait_world(self, world: int, after: float, steps: int, timeout: float, what: str) -> None:
-        self.wait(lambda: self.steps_after(after, world, steps), timeout, what)
-
-    def wait_checkpoint(self, timeout: float) -> None:
-        """A job that has run a while has a checkpoint in the store: start the clock after one."""
-        self.wait(lambda: self.cluster.client.get(self.cluster.keys.checkpoint_latest), timeout,
-                  "a first checkpoint in S3")
-
-    def wait_until(self, t: float) -> None:
-        """The replay clock: until wall time `t` (actions happen at trace times, not on conditions)."""
-        self.wait(lambda: time.time() >= t, max(0.0, t - time.time()) + 5.0, "the replay clock", interval=0.02)
-
-    def standbys_warm(self) -> bool:
-        """Every live node's newest warm worker (worker_runtime/prewarm.py logs when it starts warming and
-        when it is warm) is warm: what the nodes keep ready for the next change is built."""
-        for node in self.live():
-            newest, warm = None, set()
-            for r in self.cluster.logs(node):
-                if r.get("event") == WARMING_EVENT:
-                    newest = r.get("pid")
-                elif r.get("event") == WARM_EVENT:
-                    warm.add(r.get("pid"))
-            if newest is not None and newest not in warm:
-                return False
-        return True
-
-    def settle(self, timeout: float) -> None:
-        """Until every node's standby is warm: a span measured before that is partly a standby's
-        imports and model build (a torch-elastic round refills every node's standby; on 0.44-CPU
-        nodes one took 28-38 s, at half the node). Past `timeout` it goes on and says so."""
-        try:
-            self.wait(self.standbys_warm, timeout, "every node's warm standby worker")
-        except JobFailed:
-            raise
-        except AssertionError as exc:
-            self.env.say(f"  going on without: {exc}")
-
-    def wait_steps(self, after: float, n: int, timeout: float) -> None:
-        self.wait(lambda: len([s for s in self.cluster.steps() if s["t"] > after and s["rank"] == 0]) >= n,
-                  timeout, "steps after the last change")
-
-    def stop(self) -> None:
-        try:
-            self.cluster.stop()
-        finally:
-            if self.slices:
-                for node in self.cluster.agents:
-                    self.slices.release(self.slice_name(node))
-            for md in self.md.values():
-                md.stop()
-            self.md.clear()
-
-
-def store_uri(env: ReplayEnv) -> str:
-    """Where every job of the replay checkpoints (the layout keeps jobs apart)."""
-    return f"s3://{env.bucket}/replay"
-
-
-def _submit(nodes: _Nodes, env: ReplayEnv, job: str, max_nodes: int) -> None:
-    nodes.cluster.submit(*env.spec, f"max_nodes={max_nodes}", f"checkpoint={store_uri(env)}")
-
-
 def _start_clock() -> float:
     """The replay's t=0: the next whole second. AWS's instance-action time has whole seconds
     (`2026-12-04T08:18:53Z`), so a notice announced at a fractional second says the node goes up
@@ -216,7 +76,7 @@ def _start_clock() -> float:
     return float(t0)
 
 
-def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Say,
+def _play(nodes: ReplayNodes, actions: list[Action], t0: float, t_end: float, say: Say,
           apply: Callable[[Action], None], tail_s: float, final_world: int = 0) -> list[dict[str, Any]]:
     played = []
     for a in actions:
@@ -243,7 +103,7 @@ def _play(nodes: _Nodes, actions: list[Action], t0: float, t_end: float, say: Sa
     return played
 
 
-def _play_window(nodes: _Nodes, name: str, n0: int, repeat: int, repeats: int, actions: list[Action],
+def _play_window(nodes: ReplayNodes, name: str, n0: int, repeat: int, repeats: int, actions: list[Action],
                  duration_s: float, apply: Callable[[Action], None], final_world: int, after: float) -> Played:
     """One replay of the window, once the world of `n0` has trained 5 steps after `after`, a
     checkpoint is in the store and every standby is warm."""
@@ -285,15 +145,14 @@ def run_elastic(env: ReplayEnv, episodes: Sequence[Episode], max_nodes: int, cal
     alone before the second joins (`SHARED_STEPS`)."""
     say = env.say
     job = ELASTIC_JOB
-    nodes = _Nodes(env, job, env.workdir / "elasticyolo")
+    nodes = env.nodes(env, job, env.workdir / "elasticyolo")
     plan = episodes[0].plan
     extra = [f"x{i}" for i in range(1, max_nodes - len(plan.initial_nodes) + 1)]
     ramp = plan.initial_nodes + extra
     span_rates: dict[int, list[float]] = {}
     try:
-        nodes.start(ramp[0])
-        nodes.cluster.wait(lambda: nodes.cluster.leader() == ramp[0], 60, f"{ramp[0]} to lead")
-        _submit(nodes, env, job, max_nodes)
+        nodes.begin(ramp[0])
+        nodes.submit(max_nodes)
         for n in range(1, max_nodes + 1):
             if n > 1:
                 nodes.start(ramp[n - 1])
@@ -339,13 +198,14 @@ def run_elastic(env: ReplayEnv, episodes: Sequence[Episode], max_nodes: int, cal
             after[n] = _calibrate_at(nodes, n, calibrate_s, "after the replay")
             if n > 1:
                 _leave(nodes, [order[max_nodes - n]])
+        events = nodes.events()
         nodes.stop()
-        return SystemRun("elasticyolo", windows, nodes.cluster.events(), span_rates, after)
+        return SystemRun("elasticyolo", windows, events, span_rates, after)
     finally:
         nodes.stop()
 
 
-def _calibrate_at(nodes: _Nodes, n: int, calibrate_s: float, when: str) -> list[float]:
+def _calibrate_at(nodes: ReplayNodes, n: int, calibrate_s: float, when: str) -> list[float]:
     """Samples/s of CALIBRATION_SPANS spans at world size `n` once it trains and has settled.
     The steady state is their median: the best of a few short spans is biased upward by the
     machine's noise, and their pooled mean downward by a transient the settling missed (seen on
@@ -361,7 +221,7 @@ def _calibrate_at(nodes: _Nodes, n: int, calibrate_s: float, when: str) -> list[
         # A span: at least calibrate_s and at least 5 steps at this size.
         nodes.wait(lambda: time.time() - t_a >= calibrate_s and nodes.steps_after(t_a, n, 5),
                    env.startup_timeout_s, f"5 steps at world size {n}")
-        got = steady_rate(nodes.cluster.events(), t_a, time.time(), n)
+        got = steady_rate(nodes.events(), t_a, time.time(), n)
         if got is not None:
             spans.append(got)
     if not spans:
@@ -371,7 +231,7 @@ def _calibrate_at(nodes: _Nodes, n: int, calibrate_s: float, when: str) -> list[
     return spans
 
 
-def _leave(nodes: _Nodes, leaving: list[str]) -> None:
+def _leave(nodes: ReplayNodes, leaving: list[str]) -> None:
     """Calibration nodes leave as a spot node does: a notice, then gone."""
     for x in leaving:
         nodes.notice(x, nodes.env.notice_s)
@@ -390,12 +250,12 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
     checkpoint of the same job. `repeats`: the window again, each time from a fresh world of its
     initial size (a restart, as the baseline makes every change)."""
     job = RESTART_JOB
-    nodes = _Nodes(env, job, env.workdir / "checkpoint-restart")
+    nodes = env.nodes(env, job, env.workdir / "checkpoint-restart")
     try:
-        for n in plan.initial_nodes:
+        nodes.begin(plan.initial_nodes[0])
+        for n in plan.initial_nodes[1:]:
             nodes.start(n)
-        nodes.cluster.wait(lambda: nodes.cluster.leader() is not None, 60, "a leader")
-        _submit(nodes, env, job, max_nodes)
+        nodes.submit(max_nodes)
         n0 = len(plan.initial_nodes)
 
         def apply(a: Action) -> None:
@@ -411,8 +271,9 @@ def run_checkpoint_restart(env: ReplayEnv, plan: Plan, duration_s: float, max_no
                 apply(Action(0.0, "restart", tuple(this.initial_nodes)))
             windows.append(_play_window(nodes, "checkpoint-restart", n0, r, repeats, this.actions, duration_s, apply,
                                         final_world, after=time.time() if r else 0.0))
+        events = nodes.events()
         nodes.stop()
-        return SystemRun("checkpoint-restart", windows, nodes.cluster.events())
+        return SystemRun("checkpoint-restart", windows, events)
     finally:
         nodes.stop()
 
@@ -422,18 +283,14 @@ def run_reference(env: ReplayEnv, job: str, world: int, max_nodes: int, until_ep
     checkpoint of epoch `until_epoch`'s end has landed (a later epoch's checkpoint is in etcd).
     No accelerator quota: it computes the same steps whatever its speed (one thread, as in the
     replay), and the host's idle cores finish them in a third of the time."""
-    nodes = _Nodes(env, job, env.workdir / "reference", sliced=False)
+    nodes = env.nodes(env, job, env.workdir / "reference", sliced=False)
     try:
-        for i in range(world):
+        nodes.begin("r1")
+        for i in range(1, world):
             nodes.start(f"r{i + 1}")
-        nodes.cluster.wait(lambda: nodes.cluster.leader() is not None, 60, "a leader")
-        _submit(nodes, env, job, max_nodes)
-
-        def landed() -> bool:
-            rec = nodes.cluster.client.get(nodes.cluster.keys.checkpoint_latest)
-            return rec is not None and int(json.loads(rec[0]).get("epoch", -1)) > until_epoch
-
-        nodes.wait(landed, timeout_s, f"the uninterrupted run past epoch {until_epoch}", interval=1.0)
+        nodes.submit(max_nodes)
+        nodes.wait(lambda: (nodes.checkpoint_epoch() or -1) > until_epoch, timeout_s,
+                   f"the uninterrupted run past epoch {until_epoch}", interval=1.0)
     finally:
         nodes.stop()
 

@@ -39,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     if spec.resume:
         raise UserError(f"resume={spec.resume}: a cluster job resumes by itself from its checkpoint store "
                         "(checkpoint=URI; resubmit with --replace and the same job name)")
+    from elasticyolo.engines import registry
+
+    if (engine := registry.get(spec.engine)).cluster != "agents":
+        raise UserError(f"engine={spec.engine} jobs run on a {engine.cluster} cluster, not on the agents: "
+                        f"submit it with `elasticyolo {engine.cluster} submit`")
     client, keys = client_from_args(args)
     by = f"{getpass.getuser()}@{socket.gethostname()}"
     if not submit_spec(client, keys, spec, by=by, replace=args.replace):

@@ -24,6 +24,10 @@ Optional (the defaults here):
 * `requires` - the modules its workers import that a node may lack (an optional install), and
   `install_hint`, what the operator installs to get them. An agent whose node lacks one refuses
   the engine's jobs with one line in `status` (`engines/installed.py`). Default: none.
+* `cluster` - what runs its jobs: `"agents"` (the default: `elasticyolo submit` stores the spec in
+  etcd and every agent runs `node(agent)`), or another cluster manager that takes the agents'
+  place (`"ray"`: `elasticyolo ray submit`, `engines/ray/`). `elasticyolo submit` refuses an engine
+  that the agents do not run, and its `node()` refuses with the same line on an agent.
 
 The agent looks a job's engine up once per submission (`engines/dispatch.py`); nothing else
 branches on the engine's name.
@@ -116,6 +120,7 @@ class Engine(abc.ABC):
     # Optional.
     requires: tuple[str, ...] = ()  # modules a node must be able to import to run its workers
     install_hint: str = ""  # what installs them, shown when a node lacks one
+    cluster: str = "agents"  # what runs its jobs: the agents, or a cluster manager in their place ("ray")
 
     def plan_drain(self, situation: DrainSituation) -> DrainPlan:
         return plan_stop(situation)

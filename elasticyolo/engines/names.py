@@ -23,6 +23,7 @@ ENTRY_POINT_GROUP = "elasticyolo.engines"
 BUILTIN = {
     "horovod": "elasticyolo.engines.horovod.engine:ENGINE",
     "torch": "elasticyolo.engines.torch.engine:ENGINE",
+    "ray": "elasticyolo.engines.ray.engine:ENGINE",
 }
 DEFAULT = "torch"  # the spec's `engine` when it names none: maintained upstream, nothing to build
 _in_process: dict[str, str] = {}  # name -> where, by `registry.register()`

@@ -195,13 +195,29 @@ class CpuSlices:
             groups.append(pin)
         return [g / "cgroup.procs" for g in groups]
 
+    def environment(self, node: str) -> dict[str, str]:
+        """What a node's processes find in their environment: where its workers move to train
+        (`train/sim_accelerator.py`)."""
+        env = {ENV_SIM_ACCELERATOR: os.pathsep.join(str(p) for p in self.accelerator(node))}
+        if self.version == 1:  # threads are placed one by one in cgroup v1 only (`sim_accelerator.enter`)
+            env[ENV_SIM_INTERCONNECT] = str(self.interconnect / "cgroup.procs")
+        return env
+
     def prefix(self, node: str) -> list[str]:
-        accel = os.pathsep.join(str(p) for p in self.accelerator(node))
+        """A command prefix that starts a program on the node's host, with `environment(node)`."""
         host = self._host(node) / "cgroup.procs"
-        # Threads are placed one by one in cgroup v1 only (`sim_accelerator.enter`).
-        interconnect = f" {ENV_SIM_INTERCONNECT}={self.interconnect / 'cgroup.procs'}" if self.version == 1 else ""
-        return ["sh", "-c", f'echo $$ > {host} && export {ENV_SIM_ACCELERATOR}={accel}{interconnect} && exec "$@"',
-                "sh"]
+        exports = " ".join(f"{k}={v}" for k, v in self.environment(node).items())
+        return ["sh", "-c", f'echo $$ > {host} && export {exports} && exec "$@"', "sh"]
+
+    def place_on_host(self, node: str, pids: list[int]) -> None:
+        """Move running processes (a node's daemons that were started elsewhere) to the node's host;
+        what they start later inherits it."""
+        procs = self._host(node) / "cgroup.procs"
+        for pid in pids:
+            try:
+                procs.write_text(str(pid))
+            except (ProcessLookupError, OSError):
+                pass  # exited meanwhile
 
     def _own_group(self) -> Path:
         """This process's cgroup in the CPU hierarchy."""

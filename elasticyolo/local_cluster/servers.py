@@ -23,7 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from elasticyolo.errors import UserError
 from elasticyolo.priority import ETCD_NICE, priority_prefix
@@ -32,9 +32,26 @@ DEPLOY_ETCD = Path(__file__).resolve().parents[2] / "deploy" / "etcd"
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, avoid: Collection[int] = ()) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now, none of them in `avoid` (ports handed out before
+    whose servers may not have bound them yet)."""
+    held: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 def etcd_binary() -> str:

@@ -23,6 +23,25 @@ def read_trace(directory: str | Path) -> list[dict[str, Any]]:
     return events
 
 
+class TraceEvents:
+    """A scenario's view of its workers' trace directory, read afresh at every call."""
+
+    def __init__(self, trace_dir: Path) -> None:
+        self.trace_dir = trace_dir
+
+    def events(self, ev: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        """The events named `ev` (all where None) whose fields equal `match`, in time order."""
+        out = read_trace(self.trace_dir) if self.trace_dir.exists() else []
+        return [e for e in out if (ev is None or e["ev"] == ev) and all(e.get(k) == v for k, v in match.items())]
+
+    def steps_after(self, t: float, world: int) -> list[dict[str, Any]]:
+        return [e for e in self.events("step", world=world) if e["t"] > t]
+
+    def worker_pids(self, node: str) -> set[int]:
+        """Every worker process that trained on `node`."""
+        return {e["pid"] for e in self.events("resume", node=node)}
+
+
 def final_step_records(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The step records that make up the committed history: steps no later resume rolled back
     (chaos/measure.py's rule: a world that restored an older state redoes that work, maybe at

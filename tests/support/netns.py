@@ -19,34 +19,18 @@ Names carry a random tag per lab, so the leftovers of a crashed run never collid
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shutil
-import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from elasticyolo.local_cluster.netns import NETNS_ETC, add_namespace, delete_namespaces, ip, namespace_pids
+from elasticyolo.local_cluster.netns import unavailable as unavailable  # re-exported for the partition tests
 
 SUBNET = "10.213.0"  # private /24; members get .1, .2, ...
 BRIDGE = "br0"
 IFACE = "eth0"  # a member's end of its veth, in its own namespace
-NETNS_ETC = Path("/etc/netns")  # per-namespace files `ip netns exec` mounts over /etc
-
-
-def unavailable() -> str | None:
-    """Why namespaces cannot be made here (one line), or None when they can."""
-    if os.geteuid() != 0:
-        return "needs root (ip netns)"
-    if shutil.which("ip") is None:
-        return "no `ip` command (iproute2)"
-    probe = f"eyprobe{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
-    if made.returncode != 0:
-        return f"ip netns unavailable: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    return None
 
 
 @dataclass(frozen=True)
@@ -109,23 +93,12 @@ class NetLab:
 
     def pids(self) -> list[int]:
         """Every process running in one of the lab's namespaces."""
-        out: list[int] = []
-        for ns in self.made:
-            r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-            out += [int(p) for p in r.stdout.split() if p.isdigit()]
-        return out
+        return [pid for ns in self.made for pid in namespace_pids(ns)]
 
     def close(self) -> None:
-        """Kill what still runs in the lab (all of it was started by the test) and delete it."""
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        # Members first: deleting a namespace deletes its veth ends (and their peers) with it.
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        """Kill what still runs in the lab (all of it was started by the test) and delete it;
+        members first: deleting a namespace deletes its veth ends (and their peers) with it."""
+        delete_namespaces(list(reversed(self.made)))
         self.made.clear()
 
     def __enter__(self) -> "NetLab":
@@ -139,15 +112,12 @@ class NetLab:
         self.close()
 
     def _add_netns(self, ns: str) -> None:
-        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+        add_namespace(ns)  # loopback up: workers use it for local things
         self.made.append(ns)
-        self._ip(ns, "link", "set", "lo", "up")  # workers use loopback for local things
 
     @staticmethod
     def _ip(ns: str, *args: str) -> None:
-        r = subprocess.run(["ip", "-n", ns, *args], capture_output=True, text=True, timeout=30)
-        if r.returncode != 0:
-            raise RuntimeError(f"ip -n {ns} {' '.join(args)}: {r.stderr.strip()}")
+        ip(ns, *args)
 
 
 # A stdlib-only etcd v3 range read (JSON gateway): starts in a few tens of milliseconds.

@@ -261,6 +261,11 @@ class TorchWorld(WorkerWorld):
     def local_rank(self) -> int:
         return self._local_rank
 
+    @property
+    def cuda_index(self) -> int:
+        """This worker's GPU among those its process sees (a launcher's worker sees the node's)."""
+        return self._local_rank
+
     def run_root(self, core: TrainCore) -> Path:
         return Path(core.work_dir).parent  # the worker directory (the core's is `run/` inside it)
 
@@ -290,7 +295,7 @@ class TorchWorld(WorkerWorld):
         incarnation = store.add("incarnation", 1)
         backend = "nccl" if torch.cuda.is_available() and self.spec.device not in ("cpu",) else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(self.local_rank)
+            torch.cuda.set_device(self.cuda_index)
         dist.init_process_group(backend, store=store, rank=incarnation, world_size=1 << 20,
                                 timeout=timedelta(seconds=self.spec.gloo_timeout_s), enable_reconfigure=True)
         self.store = store

@@ -1,6 +1,8 @@
 """A torch engine worker's view of its worlds (worker side): its member record, and the newest
 world the coordinator published (`coordinator.py`, `world_plan.py`). `WorldSource` is what the
-worker (`worker.py`) needs; `WorldWatch` implements it on etcd.
+worker (`worker.py`) needs; `WorldFeed` is its cluster-neutral part (the member record's fields,
+the newest world, the waits), and `WorldWatch` implements it on etcd (the Ray engine's
+`engines/ray/world_source.py` on its controller).
 
 * `register`/`entered`/`leave` write this worker's `MemberRecord`: its reconfiguration handle
   (which changes with every world it enters), the last world it tried and whether it got in,
@@ -48,26 +50,28 @@ class WorldSource(Protocol):
     def poke(self) -> None: ...
 
 
-class WorldWatch:
-    def __init__(self, client: "EtcdClient", keys: "JobKeys", generation: int, node: str, slot: int,
-                 incarnation: int) -> None:
-        self.client, self.keys, self.generation = client, keys, generation
-        self.key = keys.torch_member(generation, node, slot)
+class WorldFeed:
+    """The cluster-neutral part of a `WorldSource`: this worker's member record (written through
+    `_write`) and the newest world offered to `_offer` (by a watch or `_read`, the subclass's)."""
+
+    def __init__(self, generation: int, node: str, slot: int, incarnation: int) -> None:
+        self.generation = generation
         self.record = MemberRecord(member=f"{node}.{slot}.{incarnation}", node=node, handle="")
         self.latest: World | None = None
         self.on_world: Callable[[World], None] | None = None
         self._cond = threading.Condition()
-        self._cancel: Callable[[], None] | None = None
 
     @property
     def member(self) -> str:
         return self.record.member
 
-    # ---- the member record ---------------------------------------------------------------------
     def _write(self, record: MemberRecord) -> None:
-        self.record = record
-        self.client.put(self.key, json.dumps(record.to_json()))
+        raise NotImplementedError
 
+    def _read(self) -> None:
+        """Offer the stored world again (a missed watch event); nothing by default."""
+
+    # ---- the member record ---------------------------------------------------------------------
     def register(self, handle: str) -> None:
         self._write(replace(self.record, handle=handle))
 
@@ -89,40 +93,7 @@ class WorldWatch:
         except Exception as exc:  # noqa: BLE001
             log.debug("member record not marked leaving", error=str(exc))
 
-    def remove(self) -> None:
-        try:
-            self.client.delete(self.key)
-        except Exception as exc:  # noqa: BLE001 - the launcher deletes it too
-            log.debug("member record not deleted", error=str(exc))
-
     # ---- the worlds ----------------------------------------------------------------------------
-    def start(self) -> None:
-        self._read()
-        events, self._cancel = self.client.watch_prefix(self.keys.world)
-
-        def pump() -> None:
-            try:
-                for ev in events:
-                    if ev.key == self.keys.world and ev.value:
-                        self._offer(ev.value)
-            except Exception as exc:  # noqa: BLE001 - `wait` polls too
-                log.debug("world watch ended", error=str(exc))
-
-        threading.Thread(target=pump, name="torch-world-watch", daemon=True).start()
-
-    def stop(self) -> None:
-        if self._cancel is not None:
-            self._cancel()
-
-    def _read(self) -> None:
-        try:
-            got = self.client.get(self.keys.world)
-        except Exception as exc:  # noqa: BLE001 - etcd hiccup: the next poll
-            log.debug("world unreadable", error=str(exc))
-            return
-        if got is not None:
-            self._offer(got[0])
-
     def _offer(self, raw: bytes) -> None:
         try:
             data = json.loads(raw)
@@ -163,3 +134,50 @@ class WorldWatch:
         """Wake `wait` (its condition may have changed: a stop was asked for)."""
         with self._cond:
             self._cond.notify_all()
+
+
+class WorldWatch(WorldFeed):
+    def __init__(self, client: "EtcdClient", keys: "JobKeys", generation: int, node: str, slot: int,
+                 incarnation: int) -> None:
+        super().__init__(generation, node, slot, incarnation)
+        self.client, self.keys = client, keys
+        self.key = keys.torch_member(generation, node, slot)
+        self._cancel: Callable[[], None] | None = None
+
+    def _write(self, record: MemberRecord) -> None:
+        self.record = record
+        self.client.put(self.key, json.dumps(record.to_json()))
+
+    def remove(self) -> None:
+        try:
+            self.client.delete(self.key)
+        except Exception as exc:  # noqa: BLE001 - the launcher deletes it too
+            log.debug("member record not deleted", error=str(exc))
+
+    # ---- the worlds ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._read()
+        events, self._cancel = self.client.watch_prefix(self.keys.world)
+
+        def pump() -> None:
+            try:
+                for ev in events:
+                    if ev.key == self.keys.world and ev.value:
+                        self._offer(ev.value)
+            except Exception as exc:  # noqa: BLE001 - `wait` polls too
+                log.debug("world watch ended", error=str(exc))
+
+        threading.Thread(target=pump, name="torch-world-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        if self._cancel is not None:
+            self._cancel()
+
+    def _read(self) -> None:
+        try:
+            got = self.client.get(self.keys.world)
+        except Exception as exc:  # noqa: BLE001 - etcd hiccup: the next poll
+            log.debug("world unreadable", error=str(exc))
+            return
+        if got is not None:
+            self._offer(got[0])
