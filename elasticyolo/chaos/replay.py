@@ -317,7 +317,7 @@ def cpu_slices(o: ReplayOptions, say: Callable[[str], None]) -> contextlib.Abstr
         return contextlib.nullcontext()
     cpus = o.cpus_per_node or default_cpus_per_node(o.nodes)
     say(f"each node trains on an accelerator of {cpus:.3g} CPUs (a CFS quota of its own); "
-        "its agent, standby and uploader run on its host beside it")
+        "everything else the node runs (its agent or Ray's daemons, its standby) runs on its host beside it")
     return CpuSlices(cpus, nodes=o.nodes)
 
 
