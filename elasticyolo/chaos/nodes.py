@@ -204,9 +204,6 @@ class AgentNodes(ReplayNodes):
                 return False
         return True
 
-    def events(self) -> list[dict[str, Any]]:
-        return self.cluster.events()
-
     def stop(self) -> None:
         try:
             self.cluster.stop()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elasticyolo.chaos.nodes import ReplayNodes, store_uri
+from elasticyolo.local_cluster.ray_cluster import kill_now, process_tree
 from elasticyolo.local_cluster.wait import wait_for
 
 START_TIMEOUT_S = 120.0  # a Ray node's start (Ray gives a raylet 30 s to register, more on a busy host)
@@ -104,7 +105,9 @@ class RayNodes(ReplayNodes):
         """Every process of the node at once (`ray start` and its children: a VM gone)."""
         if node in self.started and node not in self.killed:
             self.killed.add(node)
-            kill_tree(self.started[node][1])
+            proc = self.started[node][1]
+            kill_now(process_tree(proc.pid))
+            proc.wait(30)
         if self.slices:
             self.slices.release(self.slice_name(node))
 
@@ -129,19 +132,3 @@ class RayNodes(ReplayNodes):
             for node in self.nodes():
                 self.kill(node)
 
-
-def kill_tree(proc: "subprocess.Popen[bytes]") -> None:
-    """SIGKILL to a process and every process under it, at once."""
-    import psutil
-
-    try:
-        root = psutil.Process(proc.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(30)

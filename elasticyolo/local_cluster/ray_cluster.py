@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -120,30 +121,10 @@ class LocalRayCluster:
         return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
 
     def kill(self, node_id: str) -> None:
-        """Every process of the node killed at once (a VM gone), then Ray's own clean-up of it."""
-        self.kill_processes(node_id)
-        self.forget(node_id)
-
-    def kill_processes(self, node_id: str) -> None:
-        """SIGKILL to every process of the node at once: its raylet, its agents and its workers
-        (the raylet's children: a worker outlives its raylet by up to a second, and trains on
-        meanwhile)."""
-        import psutil
-
-        procs: list[psutil.Process] = []
-        for pid in self.processes(node_id):
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                pass
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-    def forget(self, node_id: str) -> None:
-        """Ray's clean-up of a node whose processes were killed (`kill_processes`)."""
+        """Every process of the node killed at once (a VM gone): its raylet, its agents and its
+        workers (the raylet's children: a worker outlives its raylet by up to a second, and trains
+        on meanwhile), then Ray's own clean-up of the node."""
+        kill_now(self.processes(node_id))
         self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
 
     def pids(self, node_id: str) -> list[int]:
@@ -153,15 +134,7 @@ class LocalRayCluster:
 
     def processes(self, node_id: str) -> list[int]:
         """Every process of the node: Ray's daemons and what they started (its workers)."""
-        import psutil
-
-        out: list[int] = []
-        for pid in self.pids(node_id):
-            try:
-                out += [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-            except psutil.NoSuchProcess:
-                pass
-        return out
+        return [p for pid in self.pids(node_id) for p in process_tree(pid)]
 
     def remove_all(self) -> None:
         for node_id in list(self.nodes):
@@ -173,3 +146,22 @@ class LocalRayCluster:
         ray.shutdown()
         self.cluster.shutdown()
         shutil.rmtree(self.temp_root, ignore_errors=True)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it; [] once it is gone."""
+    import psutil
+
+    try:
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_now(pids: list[int]) -> None:
+    """SIGKILL to each of `pids`, one right after another (those already gone are skipped)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
