@@ -107,10 +107,8 @@ class RayJob(TraceEvents):
         return ray_jobs.status(self.name)
 
     def wait(self, cond: Any, timeout: float, what: str) -> Any:
-        try:
-            return wait_for(cond, timeout, what, interval=0.2)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\nstatus: {json.dumps(self.status(), default=str)[:3000]}") from None
+        return wait_for(cond, timeout, what, interval=0.2,
+                        context=lambda: f"status: {json.dumps(self.status(), default=str)[:3000]}")
 
     def check_exactly_once(self) -> int:
         cov = coverage_by_epoch(read_trace(self.trace_dir))

@@ -85,10 +85,7 @@ class TorchJob(TraceEvents):
                          for n, a in self.agents.items())
 
     def wait(self, cond: Any, timeout: float, what: str) -> Any:
-        try:
-            return wait_for(cond, timeout, what, interval=0.1)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.logs()}") from None
+        return wait_for(cond, timeout, what, interval=0.1, context=self.logs)
 
     def stop_all(self) -> None:
         for a in self.agents.values():

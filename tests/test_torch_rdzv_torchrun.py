@@ -65,10 +65,8 @@ class Nodes:
                     return f"{name} exited {p.returncode}\n{self.agent_log(name)}"
             return None
 
-        try:
-            return wait_for(cond, timeout, what, interval=0.1, abort=failed)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n" + "\n".join(f"--- {n}\n{self.agent_log(n)}" for n in self.procs)) from None
+        return wait_for(cond, timeout, what, interval=0.1, abort=failed,
+                        context=lambda: "\n".join(f"--- {n}\n{self.agent_log(n)}" for n in self.procs))
 
     def first_step(self, name: str, world: int, after: float) -> dict | None:
         return next((s for s in self.steps(name) if s["world"] == world and s["t"] > after), None)

@@ -11,11 +11,12 @@ T = TypeVar("T")
 
 
 def wait_for(condition: Callable[[], T], timeout: float, what: str, *, interval: float = 0.05,
-             abort: Callable[[], str | None] | None = None) -> T:
+             abort: Callable[[], str | None] | None = None, context: Callable[[], str] | None = None) -> T:
     """Poll `condition` until it returns something truthy and return that; AssertionError naming
     `what` on timeout. Exceptions inside the condition count as "not yet" (etcd may be electing;
     a file may be half written) and the last one is reported. `abort()` returning a reason (e.g.
-    "the job's process exited with 1") fails at once."""
+    "the job's process exited with 1") fails at once. Either failure's message ends with
+    `context()` where given (the scenario's logs, say)."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while True:
@@ -27,11 +28,15 @@ def wait_for(condition: Callable[[], T], timeout: float, what: str, *, interval:
             last_exc = exc
         reason = abort() if abort is not None else None
         if reason:
-            raise AssertionError(f"{reason} while waiting for {what}")
+            raise AssertionError(f"{reason} while waiting for {what}" + _context(context))
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}"
-                                 + (f" (last error: {last_exc})" if last_exc else ""))
+                                 + (f" (last error: {last_exc})" if last_exc else "") + _context(context))
         time.sleep(interval)
+
+
+def _context(context: Callable[[], str] | None) -> str:
+    return f"\n{context()}" if context is not None else ""
 
 
 def in_threads(fn: Callable[[int], T], n: int, timeout: float) -> list[T | BaseException | None]:
