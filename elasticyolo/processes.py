@@ -1,5 +1,6 @@
 """Process helpers without torch: whether a process is still running, by pid (for processes this
-one did not start), and forking a child that never returns into its parent's code."""
+one did not start), a process and everything under it, a signal to many processes at once, and
+forking a child that never returns into its parent's code."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it; [] once it is gone."""
+    try:
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_each(pids: list[int], sig: int) -> None:
+    """`sig` to each of `pids`, one right after another (those already gone are skipped)."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def fork_child(run: Callable[[], object], *, clean_exits: tuple[type[BaseException], ...] = ()) -> int:

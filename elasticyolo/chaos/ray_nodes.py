@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elasticyolo.chaos.nodes import ReplayNodes, store_uri
-from elasticyolo.local_cluster.ray_cluster import kill_now, process_tree
 from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.processes import process_tree, signal_each
 
 START_TIMEOUT_S = 120.0  # a Ray node's start (Ray gives a raylet 30 s to register, more on a busy host)
 
@@ -106,7 +107,7 @@ class RayNodes(ReplayNodes):
         if node in self.started and node not in self.killed:
             self.killed.add(node)
             proc = self.started[node][1]
-            kill_now(process_tree(proc.pid))
+            signal_each(process_tree(proc.pid), signal.SIGKILL)
             proc.wait(30)
         if self.slices:
             self.slices.release(self.slice_name(node))

@@ -23,17 +23,11 @@ from elasticyolo.cluster.keys import JobKeys
 from elasticyolo.local_cluster.agents import ELASTICYOLO, AgentProcess, EtcdReads, leader_in_etcd, nodes_in_etcd
 from elasticyolo.local_cluster.trace import pids_by_rank, read_trace
 from elasticyolo.local_cluster.wait import wait_for
+from elasticyolo.processes import process_tree, signal_each
 
 
 # Pin torch, Gloo and Horovod to loopback: every agent of a plain local cluster is on 127.0.0.1.
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "HOROVOD_GLOO_IFACE": "lo", "MASTER_ADDR": "127.0.0.1"}
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
 
 
 class AgentCluster:
@@ -76,19 +70,11 @@ class AgentCluster:
     def stop(self) -> None:
         for a in self.agents.values():  # a frozen agent (a scenario's SIGSTOP) must be thawed to be stopped
             if a.proc is not None and a.proc.poll() is None:
-                for pid in [a.proc.pid] + [p.pid for p in _children(a.proc.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+                signal_each(process_tree(a.proc.pid), signal.SIGCONT)
         for a in self.agents.values():
             a.stop(timeout=15)
         # Last resort for a broken run: no worker may outlive the cluster.
-        for pid in {e["pid"] for e in self.events()}:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_each(sorted({e["pid"] for e in self.events()}), signal.SIGKILL)
 
     # ---- etcd views ---------------------------------------------------------------------
     def nodes(self) -> dict[str, dict[str, Any]]:

@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from elasticyolo.processes import process_tree, signal_each
+
 HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3,
                 "health_check_initial_delay_ms": 0}
 # For long runs on a busy host (benchmarks at low priority): a raylet starved of CPU for a few
@@ -124,7 +126,7 @@ class LocalRayCluster:
         """Every process of the node killed at once (a VM gone): its raylet, its agents and its
         workers (the raylet's children: a worker outlives its raylet by up to a second, and trains
         on meanwhile), then Ray's own clean-up of the node."""
-        kill_now(self.processes(node_id))
+        signal_each(self.processes(node_id), signal.SIGKILL)
         self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
 
     def pids(self, node_id: str) -> list[int]:
@@ -147,21 +149,3 @@ class LocalRayCluster:
         self.cluster.shutdown()
         shutil.rmtree(self.temp_root, ignore_errors=True)
 
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process under it; [] once it is gone."""
-    import psutil
-
-    try:
-        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def kill_now(pids: list[int]) -> None:
-    """SIGKILL to each of `pids`, one right after another (those already gone are skipped)."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
