@@ -50,6 +50,7 @@ from elasticyolo.data.synth import SynthSpec, write_dataset
 from elasticyolo.local_cluster.agent_cluster import AgentCluster
 from elasticyolo.local_cluster.servers import EtcdCluster
 from elasticyolo.local_cluster.trace import pids_by_rank, read_trace
+from elasticyolo.processes import process_tree, signal_each
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests/support's job drivers
 from tests.support.horovod_run import HorovodElasticJob  # noqa: E402
@@ -71,23 +72,6 @@ def _load_torch_bench() -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def process_tree(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 # ---- scenarios: start(node) / kill(node) / freeze() / events() / close() ------------------
@@ -121,10 +105,10 @@ class ElasticyoloRun:
         proc = self.c.agents[self._victim("")].proc
         assert proc is not None
         self.frozen = process_tree(proc.pid)
-        signal_all(self.frozen, signal.SIGSTOP)
+        signal_each(self.frozen, signal.SIGSTOP)
 
     def unfreeze_kill(self) -> None:
-        signal_all(self.frozen, signal.SIGKILL)
+        signal_each(self.frozen, signal.SIGKILL)
 
     def events(self) -> list[dict[str, Any]]:
         return self.c.events()
@@ -187,10 +171,10 @@ class HorovodrunRun:
         self.hosts.remove(node)
         self.job.set_hosts([self._host_line(n) for n in self.hosts])
         self.frozen = process_tree(pid)
-        signal_all(self.frozen, signal.SIGSTOP)
+        signal_each(self.frozen, signal.SIGSTOP)
 
     def unfreeze_kill(self) -> None:
-        signal_all(self.frozen, signal.SIGKILL)
+        signal_each(self.frozen, signal.SIGKILL)
 
     def pid_on(self, host: str) -> int:
         # Horovod orders new hosts by set iteration: find the worker by its HOROVOD_HOSTNAME.
@@ -234,10 +218,10 @@ class TorchrunRun:
         # A node other than A (A hosts the c10d store: losing it ends a c10d job by design).
         node = next(n for n in ("d", "b", "c") if n in self.inner.procs and self.inner.procs[n].poll() is None)
         self.frozen = process_tree(self.inner.procs[node].pid)
-        signal_all(self.frozen, signal.SIGSTOP)
+        signal_each(self.frozen, signal.SIGSTOP)
 
     def unfreeze_kill(self) -> None:
-        signal_all(self.frozen, signal.SIGKILL)
+        signal_each(self.frozen, signal.SIGKILL)
 
     def events(self) -> list[dict[str, Any]]:
         return self.inner.events()
