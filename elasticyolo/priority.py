@@ -7,7 +7,10 @@ tests. Every process the agent starts drops back to `WORKER_NICE` first thing
 (`worker_runtime/lifeline.py`), so training runs at normal priority and only the agent's light work is
 ahead of it. The embedded etcd of the demo, the replay and the tests runs at `ETCD_NICE`, as
 deploy/etcd's unit does (`Nice=-5`): a starved etcd lets every lease lapse at once. Without these,
-two CPU hogs beside a 2-node job on 2 cores made both agents' 2 s leases lapse at once. Lowering a
+two CPU hogs beside a 2-node job on 2 cores made both agents' 2 s leases lapse at once. The Ray
+engine's nodes are Ray's daemons (raylet, GCS, Ray's agents): they run at the agent's priority too
+(`as_node_daemon`, or `nice -n -5 ray start`), and its training actors drop back (`as_worker`
+moves every thread of the process: Ray's worker has started threads of its own by then). Lowering a
 nice value needs CAP_SYS_NICE: without it (an unprivileged run) a process keeps the priority it was
 started with.
 
@@ -64,10 +67,45 @@ def set_session_nice(nice: int) -> bool:
         return False
 
 
+def threads_of(pid: int) -> list[int]:
+    """The thread ids of a running process ([] once it is gone)."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def move_process_nice(pid: int, nice: int, *, up: bool) -> bool:
+    """Every thread of a running process to `nice`, only where that moves it up (`up`: to a
+    lower nice value) or only down (a nice value is per thread on Linux; a thread starts at its
+    creator's). Twice over the threads, for those started during the first pass. False if a
+    thread could not be moved (not permitted)."""
+    moved = True
+    for _ in range(2):
+        for tid in threads_of(pid):
+            try:
+                current = os.getpriority(os.PRIO_PROCESS, tid)
+                if (current > nice) if up else (current < nice):
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                moved = False
+    return moved
+
+
 def as_worker() -> None:
-    """In a process an agent started: back to normal priority, before any thread starts."""
-    if os.getpriority(os.PRIO_PROCESS, 0) < WORKER_NICE:
-        set_nice(WORKER_NICE)
+    """In a process an agent (or a Ray node's daemons, `as_node_daemon`) started: every thread
+    back to normal priority, before training starts its threads."""
+    move_process_nice(os.getpid(), WORKER_NICE, up=False)
+
+
+def as_node_daemon(pid: int) -> bool:
+    """A running node daemon that is not ours (a Ray raylet, GCS or Ray's agents of a node) up to
+    the agent's priority, never down: it keeps the node in its cluster as our agent does. The
+    processes it starts later inherit it: a training process calls `as_worker`. False if not
+    permitted."""
+    return move_process_nice(pid, AGENT_NICE, up=True)
 
 
 def as_agent() -> bool:

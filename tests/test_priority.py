@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from elasticyolo.priority import AGENT_NICE, priority_prefix, session_nice
+from elasticyolo.priority import AGENT_NICE, WORKER_NICE, as_node_daemon, priority_prefix, session_nice, threads_of
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/autogroup") or os.geteuid() != 0,
                                 reason="needs a kernel with autogroup, and root to raise a priority")
@@ -47,3 +47,35 @@ def test_the_priority_prefix_leaves_a_session_it_does_not_lead() -> None:
                                       "import os; print(session_nice(), os.getpriority(os.PRIO_PROCESS, 0))"],
                new_session=False)
     assert out == f"{session_nice()} -3"
+
+
+# A process with threads of its own (as a raylet, or a Ray worker before the actor's code runs).
+THREADED = ("import threading, time\n"
+            "for _ in range(3):\n"
+            "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "print('ready', flush=True)\n")
+
+
+def _nices(pid: int) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, tid) for tid in threads_of(pid)]
+
+
+def test_a_node_daemon_is_raised_on_every_thread_and_never_lowered() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", THREADED + "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        assert as_node_daemon(proc.pid)
+        assert _nices(proc.pid) == [AGENT_NICE] * 4
+        os.setpriority(os.PRIO_PROCESS, threads_of(proc.pid)[1], AGENT_NICE - 2)
+        assert as_node_daemon(proc.pid)
+        assert sorted(_nices(proc.pid)) == [AGENT_NICE - 2] + [AGENT_NICE] * 3
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_worker_started_by_a_raised_daemon_drops_every_thread_back() -> None:
+    code = THREADED + ("import os\nfrom elasticyolo.priority import as_worker, threads_of\nas_worker()\n"
+                       "print(sorted({os.getpriority(os.PRIO_PROCESS, t) for t in threads_of(os.getpid())}))")
+    out = _run(priority_prefix(AGENT_NICE) + [sys.executable, "-c", code], new_session=False)
+    assert out.splitlines()[-1] == f"[{WORKER_NICE}]"

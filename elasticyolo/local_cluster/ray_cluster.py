@@ -6,6 +6,9 @@ has `cpus` CPUs and a `node-<n>` resource of 1 naming it. Ray's failure detectio
 (a health check every 0.5 s that times out after 0.5 s, a node dead after 3 failed) so a dead or
 frozen node is declared dead within about 2-3 s, as a cluster would be configured for fast
 recovery (Ray's defaults wait longer: a frozen raylet's health checks each wait out their timeout).
+Each node's Ray daemons run at the agent's priority (`priority.as_node_daemon`) and its training
+actors at normal priority, as docs/ray-engine.md says to run a node: otherwise training and a CPU
+hog beside it starve the health checks, and Ray declares a healthy node dead.
 
 Ray's nodes advertise, and are reached on, the address of the interface that holds the default
 route. The cluster is made inside a namespace with only `lo` up and no route
@@ -26,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from elasticyolo.priority import AGENT_NICE, as_node_daemon
 from elasticyolo.processes import process_tree, signal_each
 
 HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3,
@@ -62,6 +66,7 @@ class LocalRayCluster:
         except Exception:  # noqa: BLE001 - Ray gives a raylet 30 s to register: once more on a loaded host
             ray.shutdown()
             self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        self._as_node_daemons(self._daemons(self.cluster.head_node))
         self.address = self.cluster.address
         self.nodes: dict[str, Any] = {}
         self._count = 0
@@ -76,15 +81,33 @@ class LocalRayCluster:
         self._count += 1
         name = f"node-{self._count}"
         node = self.cluster.add_node(num_cpus=cpus, resources={name: 1}, env_vars=env or None)  # waits for it
+        self._as_node_daemons(self._daemons(node))
         self.nodes[node.node_id] = node
         return node
+
+    @staticmethod
+    def _daemons(node: Any) -> list[int]:
+        return [info.process.pid for infos in node.all_processes.values() for info in infos
+                if info.process is not None]
+
+    @staticmethod
+    def _as_node_daemons(roots: list[int]) -> None:
+        """A node's Ray daemons (raylet, GCS on the head, Ray's agents: `roots` and what they
+        started) at the agent's priority, as a node started by `nice -n -5 ray start`
+        (docs/ray-engine.md): a host whose CPUs training fills does not starve its health checks.
+        The workers they start later inherit it; training actors drop back to normal priority
+        (`priority.as_worker`)."""
+        for pid in {p for root in roots for p in process_tree(root)}:
+            as_node_daemon(pid)
 
     def start_node(self, cpus: int = 1, env: dict[str, str] | None = None,
                    prefix: Sequence[str] = ()) -> tuple[str, subprocess.Popen[bytes]]:
         """A node started as a VM joins a cluster, `ray start --address HEAD --block`, and not
         waited for: returns its resource name (`node-<n>`, for `node_id_of`) and the `ray start`
         process, whose children are every process of the node (`prefix`, a command prefix, runs
-        it on a host of its own: `cpu_slices.CpuSlices.prefix`)."""
+        it on a host of its own: `cpu_slices.CpuSlices.prefix`). At the agent's priority, as
+        docs/ray-engine.md says to start a node (`nice` runs it at the current priority where
+        raising it is not permitted)."""
         from elasticyolo.local_cluster.servers import free_ports
 
         self._count += 1
@@ -96,7 +119,7 @@ class LocalRayCluster:
         ports = free_ports(len(NODE_PORT_OPTIONS), avoid=self._ports_given)
         self._ports_given.update(ports)
         temp_dir = self.temp_root / name  # short: a socket's path must fit in 107 bytes
-        cmd = [*prefix, str(Path(sys.executable).with_name("ray")), "start", "--address", self.address,
+        cmd = [*prefix, "nice", "-n", str(AGENT_NICE), str(Path(sys.executable).with_name("ray")), "start", "--address", self.address,
                "--temp-dir", str(temp_dir),
                "--node-ip-address", LOOPBACK, "--num-cpus", str(cpus), "--resources", json.dumps({name: 1}),
                "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats", "--block",

@@ -110,9 +110,11 @@ class TrainingActor:
     """The body of a training actor (`controller.py` makes it a Ray actor with its resources)."""
 
     def __init__(self, setup: SlotSetup) -> None:
+        from elasticyolo.priority import as_worker
         from elasticyolo.train.core import TrainCore, quiet_ultralytics
         from elasticyolo.worker_runtime import worker_env
 
+        as_worker()  # a node's Ray daemons may run above their workers (docs/ray-engine.md); training does not
         self.setup = setup
         worker_dir = worker_env.node_work_dir(setup.work_root, setup.job, setup.node, setup.generation,
                                               prune=setup.slot == 0)
