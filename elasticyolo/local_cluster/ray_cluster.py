@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from elasticyolo.priority import AGENT_NICE, as_node_daemon
+from elasticyolo.priority import as_node_daemon
 from elasticyolo.processes import process_tree, signal_each
 
 HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3,
@@ -105,9 +105,8 @@ class LocalRayCluster:
         """A node started as a VM joins a cluster, `ray start --address HEAD --block`, and not
         waited for: returns its resource name (`node-<n>`, for `node_id_of`) and the `ray start`
         process, whose children are every process of the node (`prefix`, a command prefix, runs
-        it on a host of its own: `cpu_slices.CpuSlices.prefix`). At the agent's priority, as
-        docs/ray-engine.md says to start a node (`nice` runs it at the current priority where
-        raising it is not permitted)."""
+        it on a host of its own: `cpu_slices.CpuSlices.prefix`). At this process's priority: the
+        replay measures its nodes so (docs/benchmarks.md)."""
         from elasticyolo.local_cluster.servers import free_ports
 
         self._count += 1
@@ -119,7 +118,7 @@ class LocalRayCluster:
         ports = free_ports(len(NODE_PORT_OPTIONS), avoid=self._ports_given)
         self._ports_given.update(ports)
         temp_dir = self.temp_root / name  # short: a socket's path must fit in 107 bytes
-        cmd = [*prefix, "nice", "-n", str(AGENT_NICE), str(Path(sys.executable).with_name("ray")), "start", "--address", self.address,
+        cmd = [*prefix, str(Path(sys.executable).with_name("ray")), "start", "--address", self.address,
                "--temp-dir", str(temp_dir),
                "--node-ip-address", LOOPBACK, "--num-cpus", str(cpus), "--resources", json.dumps({name: 1}),
                "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats", "--block",
