@@ -6,9 +6,10 @@ has `cpus` CPUs and a `node-<n>` resource of 1 naming it. Ray's failure detectio
 (a health check every 0.5 s that times out after 0.5 s, a node dead after 3 failed) so a dead or
 frozen node is declared dead within about 2-3 s, as a cluster would be configured for fast
 recovery (Ray's defaults wait longer: a frozen raylet's health checks each wait out their timeout).
-Each node's Ray daemons run at the agent's priority (`priority.as_node_daemon`) and its training
-actors at normal priority, as docs/ray-engine.md says to run a node: otherwise training and a CPU
-hog beside it starve the health checks, and Ray declares a healthy node dead.
+The head's and `add`'s nodes' Ray daemons run at the agent's priority (`priority.as_node_daemon`)
+and their training actors at normal priority, as docs/ray-engine.md says to run a node: otherwise
+training and a CPU hog beside it starve the health checks, and Ray declares a healthy node dead.
+`start_node`'s nodes (the replay's) run at this process's priority.
 
 Ray's nodes advertise, and are reached on, the address of the interface that holds the default
 route. The cluster is made inside a namespace with only `lo` up and no route
