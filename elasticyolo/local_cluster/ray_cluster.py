@@ -67,7 +67,7 @@ class LocalRayCluster:
         except Exception:  # noqa: BLE001 - Ray gives a raylet 30 s to register: once more on a loaded host
             ray.shutdown()
             self.cluster = Cluster(initialize_head=True, head_node_args=head)
-        self._as_node_daemons(self._daemons(self.cluster.head_node))
+        self._as_node_daemons(self.cluster.head_node)
         self.address = self.cluster.address
         self.nodes: dict[str, Any] = {}
         self._count = 0
@@ -82,23 +82,24 @@ class LocalRayCluster:
         self._count += 1
         name = f"node-{self._count}"
         node = self.cluster.add_node(num_cpus=cpus, resources={name: 1}, env_vars=env or None)  # waits for it
-        self._as_node_daemons(self._daemons(node))
+        self._as_node_daemons(node)
         self.nodes[node.node_id] = node
         return node
 
     @staticmethod
     def _daemons(node: Any) -> list[int]:
+        """The processes Ray started for a node (raylet and agents, GCS on the head; not its workers)."""
         return [info.process.pid for infos in node.all_processes.values() for info in infos
                 if info.process is not None]
 
-    @staticmethod
-    def _as_node_daemons(roots: list[int]) -> None:
-        """A node's Ray daemons (raylet, GCS on the head, Ray's agents: `roots` and what they
-        started) at the agent's priority, as a node started by `nice -n -5 ray start`
+    @classmethod
+    def _as_node_daemons(cls, node: Any) -> None:
+        """A node's Ray daemons (raylet, GCS on the head, and what they started: Ray's agents) at
+        the agent's priority, as a node started by `nice -n -5 ray start`
         (docs/ray-engine.md): a host whose CPUs training fills does not starve its health checks.
         The workers they start later inherit it; training actors drop back to normal priority
         (`priority.as_worker`)."""
-        for pid in {p for root in roots for p in process_tree(root)}:
+        for pid in {p for daemon in cls._daemons(node) for p in process_tree(daemon)}:
             as_node_daemon(pid)
 
     def start_node(self, cpus: int = 1, env: dict[str, str] | None = None,
@@ -154,8 +155,7 @@ class LocalRayCluster:
 
     def pids(self, node_id: str) -> list[int]:
         """The processes Ray started for the node (raylet and agents; not its workers)."""
-        return [info.process.pid for infos in self.nodes[node_id].all_processes.values() for info in infos
-                if info.process is not None]
+        return self._daemons(self.nodes[node_id])
 
     def processes(self, node_id: str) -> list[int]:
         """Every process of the node: Ray's daemons and what they started (its workers)."""
